@@ -1,0 +1,102 @@
+"""The per-step attention metadata and the interface every attention backend implements.
+
+The runner builds one `CommonAttentionMetadata` per step; each backend's builder turns it into its own
+metadata once per step (never per layer), and the backend's impl runs the layers with it.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """Which batches a backend can replay inside a full CUDA graph (ordered: more is better)."""
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+class QueryLenSupport(enum.Enum):
+    """Which query lengths a backend's decode path takes per request."""
+    SINGLE_ONLY = "single_only"
+    UNIFORM = "uniform"
+    VARLEN = "varlen"
+
+
+@dataclass(slots=True)
+class CommonAttentionMetadata:
+    """One engine step's batch layout, shared by every attention layer.
+
+    Tokens of all requests are flattened; request r owns tokens query_start_loc[r]:query_start_loc[r+1].
+    `seq_lens` counts each request's tokens after this step (cached context + the new ones).
+    `max_query_len` is a promised bound from the runner; builders never re-measure it from CPU lengths,
+    and they derive per-request query lengths from the device `query_start_loc` (cum_seq_lens_q).
+    """
+    query_start_loc: torch.Tensor  # device int32 [B+1]
+    query_start_loc_cpu: torch.Tensor  # cpu int32 [B+1]
+    seq_lens: torch.Tensor  # device int32 [B]
+    seq_lens_cpu: torch.Tensor  # cpu int32 [B], an upper bound of the device values
+    num_reqs: int
+    num_actual_tokens: int  # padding excluded
+    max_query_len: int
+    max_seq_len: int
+    block_table: torch.Tensor  # device int32 [B, max_blocks]: MLA latent-cache blocks per request
+    slot_mapping: torch.Tensor  # device int64 [num_tokens]: latent-cache row per token, -1 for padding
+    is_prefilling: torch.Tensor  # cpu bool [B]: request state (a prompt chunk), not the row's shape
+    state_indices: torch.Tensor  # device int32 [B]: KDA recurrent-state slot per request
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def num_computed_tokens_cpu(self) -> torch.Tensor:
+        """Tokens each request had cached before this step."""
+        return self.seq_lens_cpu - self.query_lens_cpu
+
+
+class AttentionMetadataBuilder(ABC):
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Backend metadata for one step."""
+
+
+class AttentionBackend(ABC):
+    """A named kernel family for one kind of attention (MLA, KDA prefill, KDA decode)."""
+    name: ClassVar[str]
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when this backend runs here, else the reason it cannot (naming what it needs)."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def builder(cls, block_size: int) -> AttentionMetadataBuilder:
+        """A metadata builder for caches of `block_size` tokens per block."""
+
+
+@dataclass(slots=True)
+class HybridBackends:
+    """The backends of a hybrid model: one for its KDA layers, one for its MLA layers."""
+    kda: type[AttentionBackend]
+    mla: type[AttentionBackend]
+
+
+@dataclass(slots=True)
+class HybridAttentionMetadata:
+    """One step's backend metadata, built once per step for each kind of attention layer."""
+    kda: Any
+    mla: Any

@@ -1,0 +1,92 @@
+"""The torch reference MLA backend over a paged latent cache.
+
+Each token caches one latent row [c_kv (kv_lora_rank) | k_r (qk_rope_head_dim)]. Prompt-chunk rows run
+unabsorbed (K and V expanded through kv_b_proj); decode and verify rows run absorbed MQA in the latent
+space. Both are the same math; tests force either form to check that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
+                                    CommonAttentionMetadata, QueryLenSupport)
+
+
+@dataclass(slots=True)
+class TorchMLAMetadata:
+    query_start_loc: list[int]
+    is_prefilling: list[bool]
+    context_slots: list[torch.Tensor]  # per request: the cache rows of positions 0..seq_len-1
+    slot_mapping: torch.Tensor
+    force_absorbed: bool | None = None  # tests: None picks by row kind
+
+
+class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
+    cudagraph_support = AttentionCGSupport.NEVER
+    query_len_support = QueryLenSupport.VARLEN
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build(self, common: CommonAttentionMetadata) -> TorchMLAMetadata:
+        n = common.num_reqs
+        seq_lens = common.seq_lens_cpu[:n].tolist()
+        pos = torch.arange(max(seq_lens, default=0), device=common.block_table.device)
+        blocks = common.block_table[:n].long()
+        slots = [blocks[r, pos[:L] // self.block_size] * self.block_size + pos[:L] % self.block_size
+                 for r, L in enumerate(seq_lens)]
+        return TorchMLAMetadata(
+            query_start_loc=common.query_start_loc_cpu[:n + 1].tolist(),
+            is_prefilling=common.is_prefilling[:n].tolist(),
+            context_slots=slots,
+            slot_mapping=common.slot_mapping[:common.num_actual_tokens],
+        )
+
+
+class TorchMLABackend(AttentionBackend):
+    name = "TORCH_MLA"
+
+    @classmethod
+    def builder(cls, block_size: int) -> TorchMLAMetadataBuilder:
+        return TorchMLAMetadataBuilder(block_size)
+
+    @staticmethod
+    def forward(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, kv_b_weight: torch.Tensor,
+                qk_nope_head_dim: int, v_head_dim: int, scale: float, meta: TorchMLAMetadata) -> torch.Tensor:
+        """q [T, H, nope+rope]; latent [T, L+R] the new tokens' normalised rows; kv_cache [blocks, bs, L+R].
+
+        kv_b_weight [H*(nope+v), L] is kv_b_proj's weight. Returns o [T, H, v_head_dim].
+        """
+        rows = kv_cache.view(-1, kv_cache.shape[-1])
+        valid = meta.slot_mapping >= 0
+        rows[meta.slot_mapping[valid]] = latent[:meta.slot_mapping.shape[0]][valid].to(rows.dtype)
+        L = kv_b_weight.shape[1]
+        H = q.shape[1]
+        w = kv_b_weight.float().view(H, qk_nope_head_dim + v_head_dim, L)
+        w_uk, w_uv = w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+        out = q.new_empty(q.shape[0], H, v_head_dim, dtype=torch.float32)
+        qsl = meta.query_start_loc
+        for r, slots in enumerate(meta.context_slots):
+            s, e = qsl[r], qsl[r + 1]
+            if e == s:
+                continue
+            ctx = rows[slots].float()
+            c_kv, k_r = ctx[:, :L], ctx[:, L:]
+            q_n, q_r = q[s:e, :, :qk_nope_head_dim].float(), q[s:e, :, qk_nope_head_dim:].float()
+            S, T = ctx.shape[0], e - s
+            causal = torch.arange(S, device=q.device)[None, :] <= (S - T + torch.arange(T, device=q.device))[:, None]
+            absorbed = not meta.is_prefilling[r] if meta.force_absorbed is None else meta.force_absorbed
+            if absorbed:
+                ql = torch.einsum("thn,hnl->thl", q_n, w_uk)
+                scores = torch.einsum("thl,sl->hts", ql, c_kv) + torch.einsum("thr,sr->hts", q_r, k_r)
+                p = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+                out[s:e] = torch.einsum("hts,sl,hvl->thv", p, c_kv, w_uv)
+            else:
+                k_n = torch.einsum("sl,hnl->shn", c_kv, w_uk)
+                v = torch.einsum("sl,hvl->shv", c_kv, w_uv)
+                scores = torch.einsum("thn,shn->hts", q_n, k_n) + torch.einsum("thr,sr->hts", q_r, k_r)
+                p = (scores * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+                out[s:e] = torch.einsum("hts,shv->thv", p, v)
+        return out.to(q.dtype)

@@ -1,0 +1,33 @@
+"""RMSNorm variants used by Kimi models. Statistics are always taken in float32."""
+import torch
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Cast back before the weight multiply, as the reference implementations do.
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+
+
+class RMSNormGated(nn.Module):
+    """Per-head RMSNorm followed by a sigmoid output gate: KDA's `o_norm` (FusedRMSNormGated)."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = rms_normalize(x, self.eps) * self.weight.float() * torch.sigmoid(gate.float())
+        return y.to(x.dtype)

@@ -1,0 +1,163 @@
+"""Load a Kimi-Linear / Kimi-K3 checkpoint directory: config.json + safetensors (single file or sharded).
+
+Checkpoint names follow the published checkpoints and transformers' `save_pretrained`; the mapping to our
+parameters handles its quirks (dense layer 0 saved as `block_sparse_moe.*`, A_log saved as [1, 1, H, 1],
+conv weights saved as [P, 1, W], an optional `language_model.` prefix). Every mismatch is an error naming
+the tensor and what was expected.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from vllm.model_executor.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
+                                                   TensorShapeError, UnexpectedTensorError)
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.attention.backend import HybridBackends
+from vllm.attention.selector import reference_backends
+from vllm.model_executor.models.kimi_k3.model import FP32_PARAM_SUFFIXES, KimiK3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+           "float": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_raw: dict | None = None) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; expected float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        saved = (config_raw or {}).get("dtype") or (config_raw or {}).get("torch_dtype") or "float32"
+        return _DTYPES.get(saved, torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointNotFoundError(f"model directory {str(model_dir)!r} does not exist (or is not a directory)")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path} is missing: a model directory needs config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def load_config(model_dir: str | Path) -> KimiK3TextConfig:
+    return KimiK3TextConfig.from_dict(read_config_json(model_dir))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise CheckpointNotFoundError(f"{INDEX_FILE} in {model_dir} lists shards that are missing: {missing}")
+        return [model_dir / s for s in shards]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    raise CheckpointNotFoundError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards")
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+_DENSE_AS_MOE = re.compile(r"^(model\.layers\.(\d+)\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
+
+
+def map_name(name: str, config: KimiK3TextConfig) -> str | None:
+    """Checkpoint name -> our parameter name; None for tensors this text-only engine ignores."""
+    name = name.removeprefix("language_model.")
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    m = _DENSE_AS_MOE.match(name)
+    if m and not config.is_moe_layer(int(m.group(2))):
+        return f"{m.group(1)}mlp.{m.group(3)}"
+    return name
+
+
+def fit_shape(name: str, tensor: torch.Tensor, expected: torch.Size) -> torch.Tensor:
+    """Accept the published alternative layouts of the same values, else raise naming the tensor."""
+    if tensor.shape == expected:
+        return tensor
+    alt_ok = ((name.endswith("A_log") and tensor.numel() == expected.numel() and tensor.dim() == 4)
+              or (name.endswith("_conv1d.weight") and tensor.dim() == 3 and tensor.shape[1] == 1))
+    if alt_ok and tensor.numel() == expected.numel():
+        return tensor.reshape(expected)
+    raise TensorShapeError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}; the model config "
+                           f"expects {list(expected)}")
+
+
+def build_model(config: KimiK3TextConfig, dtype: torch.dtype, device: torch.device | str,
+                backends: HybridBackends) -> KimiK3ForCausalLM:
+    """The model with uninitialised storage on `device`, in `dtype` except the float32 gate/router params."""
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(config, backends).to(dtype)
+        for name, p in model.named_parameters():
+            if name.endswith(FP32_PARAM_SUFFIXES):
+                p.data = p.data.float()
+    return model.to_empty(device=device).eval().requires_grad_(False)
+
+
+def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
+    config = model.config
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    ignored = 0
+    for ckpt_name, tensor in iter_checkpoint(weight_files(Path(model_dir))):
+        name = map_name(ckpt_name, config)
+        if name is None:
+            ignored += 1
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some writers store the tied head too
+        if name not in params:
+            unexpected.append(ckpt_name)
+            continue
+        param = params[name]
+        param.data.copy_(fit_shape(ckpt_name, tensor, param.shape))
+        loaded.add(name)
+    if ignored:
+        logger.info("ignored %d vision tensors (this engine serves the text model only)", ignored)
+    if unexpected:
+        raise UnexpectedTensorError(f"checkpoint holds {len(unexpected)} tensors the model config has no place "
+                                    f"for, e.g. {unexpected[:5]}")
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        shapes = {n: list(params[n].shape) for n in missing[:5]}
+        raise MissingTensorError(f"checkpoint lacks {len(missing)} tensors the model config needs, "
+                                 f"e.g. {shapes} (name: expected shape)")
+    model.process_weights_after_loading()
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+               backends: HybridBackends | None = None) -> KimiK3ForCausalLM:
+    raw = read_config_json(model_dir)
+    config = KimiK3TextConfig.from_dict(raw)
+    model = build_model(config, resolve_dtype(dtype, raw), device, backends or reference_backends())
+    load_weights(model, model_dir)
+    return model

@@ -1,0 +1,66 @@
+"""The KDA (Kimi Delta Attention) mixer: projections here, the stateful core in an attention backend."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.layernorm import RMSNormGated
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+
+
+class ShortConvWeight(nn.Module):
+    """Holds one depthwise causal-conv weight [P, W] under the checkpoint's `*_conv1d.weight` name."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width))
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int, backend: Any) -> None:
+        super().__init__()
+        D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        P = H * K
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.gate_lower_bound = config.gate_lower_bound
+        self.backend = backend
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = ShortConvWeight(P, config.conv_kernel_size)
+        self.k_conv1d = ShortConvWeight(P, config.conv_kernel_size)
+        self.v_conv1d = ShortConvWeight(P, config.conv_kernel_size)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(P))
+        self.o_norm = RMSNormGated(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+        # Bound by the engine (or a test helper): [slots, 3P, W-1] and [slots, H, V, K].
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+        self.conv_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        # Backends read the q/k/v conv weights as one [3P, W] tensor, matching the packed q/k/v channels.
+        self.conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"
+        mixed_qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        y = self.backend.forward(self, mixed_qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
+                                 self.output_gate(x), self.conv_state, self.ssm_state, attn_metadata)
+        return self.o_proj(y)

@@ -1,0 +1,56 @@
+"""The MLA (multi-head latent attention) mixer, NoPE, with an optional sigmoid output gate (K3)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+
+
+class KimiMLAAttention(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int, backend: Any) -> None:
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_head_dim = config.qk_nope_head_dim, config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.scale = config.qk_head_dim ** -0.5
+        self.backend = backend
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * config.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.latent_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, config.mla_cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (config.qk_nope_head_dim + config.v_head_dim),
+                                   bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(D, H * config.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
+        self.kv_cache: torch.Tensor | None = None  # bound by the engine: [blocks, block_size, L + R]
+
+    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        assert self.kv_cache is not None, "MLA latent cache is not bound"
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.mla_rope_dim], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1)
+        o = self.backend.forward(q.unflatten(-1, (self.num_heads, self.qk_head_dim)), latent, self.kv_cache,
+                                 self.kv_b_proj.weight, self.qk_nope_head_dim, self.v_head_dim, self.scale,
+                                 attn_metadata)
+        if hasattr(self, "g_proj"):
+            # The K3 gate reads the mixer's input, not the attention output.
+            o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.num_heads, -1)).to(o.dtype)
+        return self.o_proj(o.flatten(-2))
+
+    @property
+    def mla_rope_dim(self) -> int:
+        return self.qk_head_dim - self.qk_nope_head_dim

@@ -1,0 +1,154 @@
+"""KimiK3ForCausalLM: one torch model for Kimi-Linear and Kimi-K3, over the engine's flat token batch.
+
+forward(input_ids [T], positions [T], attn_metadata) runs every request of a step at once; the KDA and MLA
+layers read their backend metadata from `attn_metadata` (built once per step) and their caches from the
+pools bound with `bind_caches`. Logits are computed only for the rows the caller selects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.attention.backend import HybridAttentionMetadata, HybridBackends
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.model_executor.models.kimi_k3.kda import KimiDeltaAttention
+from vllm.model_executor.models.kimi_k3.mla import KimiMLAAttention
+from vllm.model_executor.models.kimi_k3.moe import KimiMLP, KimiMoE
+
+# Parameters kept in float32 whatever the model dtype: the gate and router math is done in float32.
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "gate.weight", "gate.e_score_correction_bias")
+
+
+@dataclass(slots=True)
+class KimiLayerCache:
+    """One layer's cache views: `kv_cache` for MLA; `conv_state` and `ssm_state` for KDA."""
+    kv_cache: torch.Tensor | None = None
+    conv_state: torch.Tensor | None = None
+    ssm_state: torch.Tensor | None = None
+
+
+def allocate_layer_caches(config: KimiK3TextConfig, num_blocks: int, block_size: int, num_slots: int,
+                          dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device | str
+                          ) -> list[KimiLayerCache]:
+    """Zeroed cache pools for every layer: MLA latent blocks and KDA conv/recurrent state slots."""
+    caches = []
+    for i in range(config.num_hidden_layers):
+        if config.is_kda_layer(i):
+            caches.append(KimiLayerCache(
+                conv_state=torch.zeros(num_slots, *config.kda_conv_state_shape(), dtype=dtype, device=device),
+                ssm_state=torch.zeros(num_slots, *config.kda_ssm_state_shape(), dtype=state_dtype, device=device)))
+        else:
+            caches.append(KimiLayerCache(kv_cache=torch.zeros(num_blocks, block_size, config.mla_cache_dim,
+                                                              dtype=dtype, device=device)))
+    return caches
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, idx: int, backends: HybridBackends) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.is_kda = config.is_kda_layer(idx)
+        self.self_attn = (KimiDeltaAttention(config, idx, backends.kda) if self.is_kda
+                          else KimiMLAAttention(config, idx, backends.mla))
+        # Checkpoint names: a dense layer is `mlp.*`, a MoE layer `block_sparse_moe.*`.
+        if config.is_moe_layer(idx):
+            self.block_sparse_moe = KimiMoE(config)
+        else:
+            self.mlp = KimiMLP(config, D, config.intermediate_size)
+        self.input_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.self_attention_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def mixer(self, x: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
+        return self.self_attn(x, attn_metadata.kda if self.is_kda else attn_metadata.mla)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+
+class KimiK3Model(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, backends: HybridBackends) -> None:
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i, backends) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, eps=config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
+        """Pre-norm hidden states [T, D] of the last layer (the final norm is applied in compute_logits)."""
+        h = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size is None:
+            for layer in self.layers:
+                h = h + layer.mixer(layer.input_layernorm(h), attn_metadata)
+                h = h + layer.ffn(layer.post_attention_layernorm(h))
+            return h
+        return self._forward_attn_res(h, attn_metadata)
+
+    def _forward_attn_res(self, emb: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
+        """Block AttnRes: P is the running partial-block sum; snapshots[b] holds the stream at block b's start
+        (snapshots[0] is the embedding). Layer l opens a new block when l % block_size == 0."""
+        B, eps = self.config.attn_res_block_size, self.config.rms_norm_eps
+        partial, snapshots, delta = emb, [], None
+        for idx, layer in enumerate(self.layers):
+            opens_block = idx % B == 0
+            if delta is not None:
+                partial = partial + delta
+            if opens_block:
+                snapshots.append(partial)
+            n_attn = len(snapshots) - 1 if opens_block else len(snapshots)
+            x = attn_res_mix(snapshots[:n_attn] + [partial], layer.self_attention_res_norm.weight,
+                             layer.self_attention_res_proj.weight, eps)
+            a = layer.mixer(layer.input_layernorm(x), attn_metadata)
+            partial = a if opens_block else partial + a
+            x = attn_res_mix(snapshots + [partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
+            delta = layer.ffn(layer.post_attention_layernorm(x))
+        partial = partial + delta
+        return attn_res_mix(snapshots + [partial], self.output_attn_res_norm.weight,
+                            self.output_attn_res_proj.weight, eps)
+
+
+class KimiK3ForCausalLM(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, backends: HybridBackends) -> None:
+        super().__init__()
+        self.config = config
+        self.backends = backends
+        self.model = KimiK3Model(config, backends)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
+        # Kimi attention is NoPE: positions are part of the engine interface but unused by this model.
+        del positions
+        return self.model(input_ids, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the hidden rows given (only the rows that sample)."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return (self.model.norm(hidden_states) @ weight.t()).float()
+
+    def bind_caches(self, caches: list[KimiLayerCache]) -> None:
+        """Point every layer at its cache views (owned by the engine's cache manager)."""
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            attn = layer.self_attn
+            if layer.is_kda:
+                attn.conv_state, attn.ssm_state = cache.conv_state, cache.ssm_state
+            else:
+                attn.kv_cache = cache.kv_cache
+
+    def process_weights_after_loading(self) -> None:
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.process_weights_after_loading()

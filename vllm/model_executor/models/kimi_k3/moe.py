@@ -1,0 +1,107 @@
+"""Dense MLP and the MoE block: sigmoid router with grouped top-k, shared experts, optional latent MoE."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+
+
+def gated_activation(config: KimiK3TextConfig):
+    if config.hidden_act == "situ":
+        return partial(situ_and_mul, beta=config.activation_situ_beta,
+                       linear_beta=config.activation_situ_linear_beta)
+    return silu_and_mul
+
+
+class KimiMLP(nn.Module):
+    def __init__(self, config: KimiK3TextConfig, in_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(in_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(in_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, in_size, bias=False)
+        self.act = gated_activation(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class KimiExpert(nn.Module):
+    """One routed expert under the checkpoint names w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, config: KimiK3TextConfig, in_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(in_size, config.moe_intermediate_size, bias=False)
+        self.w3 = nn.Linear(in_size, config.moe_intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.moe_intermediate_size, in_size, bias=False)
+        self.act = gated_activation(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x), self.w3(x)))
+
+
+class KimiRouter(nn.Module):
+    """Sigmoid scores; experts chosen by score + e_score_correction_bias within the best groups."""
+
+    def __init__(self, config: KimiK3TextConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts))
+        self.top_k, self.num_groups, self.topk_group = (config.num_experts_per_token, config.num_expert_group,
+                                                        config.topk_group)
+        self.renormalize, self.scale = config.moe_renormalize, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k] float32, expert ids [T, k])."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        choice = scores + self.e_score_correction_bias.float()
+        if self.num_groups > 1:
+            grouped = choice.unflatten(-1, (self.num_groups, -1))
+            # A group's strength is the sum of its two best experts (DeepSeek-V3's noaux_tc rule).
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class KimiMoE(nn.Module):
+    def __init__(self, config: KimiK3TextConfig) -> None:
+        super().__init__()
+        D, R = config.hidden_size, config.routed_expert_hidden_size
+        self.gate = KimiRouter(config)
+        expert_width = D if R is None else R
+        self.experts = nn.ModuleList(KimiExpert(config, expert_width) for _ in range(config.num_experts))
+        if R is not None:
+            # Latent MoE: experts run in a narrower space; shared experts still read the full x.
+            self.routed_expert_down_proj = nn.Linear(D, R, bias=False)
+            self.routed_expert_up_proj = nn.Linear(R, D, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(R, eps=config.rms_norm_eps)
+        if config.num_shared_experts:
+            self.shared_experts = KimiMLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        latent = hasattr(self, "routed_expert_down_proj")
+        u = self.routed_expert_down_proj(x) if latent else x
+        y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
+        for e in ids.unique().tolist():
+            tok, pos = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, tok, self.experts[e](u[tok]).float() * weights[tok, pos, None])
+        y = y.to(x.dtype)
+        if latent:
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y
