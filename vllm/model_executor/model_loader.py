@@ -136,7 +136,9 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some writers store the tied head too
         if name not in params:
-            unexpected.append(ckpt_name)
+            # transformers writes 0-width shared experts for n_shared_experts=0; they hold nothing.
+            if tensor.numel() != 0:
+                unexpected.append(ckpt_name)
             continue
         param = params[name]
         param.data.copy_(fit_shape(ckpt_name, tensor, param.shape))

@@ -105,6 +105,15 @@ def write_checkpoint(out_dir: str | Path, config: dict, tensors: dict[str, torch
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
 
 
+def write_tiny_model(out_dir: str | Path, family: str = "k3", seed: int = 0, shards: int = 1,
+                     dtype: torch.dtype = torch.float32, **overrides) -> str:
+    """Writes a tiny random checkpoint; K3 text configs are wrapped in the kimi_k3 top-level config."""
+    text = tiny_text_config(family, **overrides)
+    config = wrap_k3(text) if family == "k3" else text
+    write_checkpoint(out_dir, config, random_state_dict(config, seed), shards, dtype)
+    return str(out_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=["k3", "kimi_linear"], default="k3")
@@ -116,10 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--tokenizer", help="directory whose tokenizer files are copied next to the weights")
     args = ap.parse_args(argv)
-    text = tiny_text_config(args.family, vocab_size=args.vocab_size, hidden_size=args.hidden_size)
-    config = wrap_k3(text) if args.family == "k3" else text
-    write_checkpoint(args.out, config, random_state_dict(config, args.seed), args.shards,
-                     getattr(torch, args.dtype))
+    write_tiny_model(args.out, args.family, args.seed, args.shards, getattr(torch, args.dtype),
+                     vocab_size=args.vocab_size, hidden_size=args.hidden_size)
     if args.tokenizer:
         for f in TOKENIZER_FILES:
             src, dst = Path(args.tokenizer) / f, Path(args.out) / f

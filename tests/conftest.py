@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny checkpoints written to tmp dirs, and skipping of GPU tests without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.tools.make_tiny_model import write_tiny_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_k3(tmp_path) -> str:
+    return write_tiny_model(tmp_path / "k3", "k3")
+
+
+@pytest.fixture
+def tiny_kimi_linear(tmp_path) -> str:
+    return write_tiny_model(tmp_path / "kl", "kimi_linear")

@@ -1,0 +1,38 @@
+"""The `vllm` console script: `vllm --version`, `vllm generate ...` (more subcommands join as they land)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vllm.entrypoints.cli import generate
+from vllm.version import __version__
+
+SUBCOMMANDS = {"generate": generate}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm", description="A vLLM-compatible engine for Kimi-K3 / Kimi-Linear.")
+    parser.add_argument("-v", "--version", action="version", version=f"vllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return SUBCOMMANDS[args.command].run(args) or 0
+    except ValueError as e:  # bad input: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
