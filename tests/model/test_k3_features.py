@@ -1,4 +1,4 @@
-"""The K3-only model features, each checked against a reference written from docs/kimi_k3_model.md.
+"""The K3-only model features, each checked against a reference written from kimi_k3_model.md (shared docs).
 
 The references below are plain torch (float64) transcriptions of the formulas in sections 2-5; they use no
 helper of the model code. Model modules appear only as black boxes (their weights and their outputs).
@@ -167,7 +167,7 @@ def test_kda_layer_full_rank_gate(k3):
 
 # ---- 3. MLA with the output gate ----------------------------------------------------------------------
 def test_mla_output_gate(k3):
-    """§4: NoPE MLA, causal softmax over (q_n.k_n + q_r.k_r)/sqrt(192-like), then o * sigmoid(g_proj x)."""
+    """§4: NoPE MLA, causal softmax of (q_n.k_n + q_r.k_r)/sqrt(nope+rope), then o * sigmoid(g_proj x), o_proj."""
     cfg, idx = k3.config, 3
     attn = k3.model.layers[idx].self_attn
     assert not k3.model.layers[idx].is_kda and cfg.mla_latent_norm_eps is None
@@ -204,10 +204,10 @@ def test_block_attn_res(name, request):
     cfg, m = model.config, model.model
     B, L, eps = cfg.attn_res_block_size, cfg.num_hidden_layers, cfg.rms_norm_eps
     assert (B, L) in [(2, 6), (4, 5)]
-    ffn = lambda layer: layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp  # noqa: E731
     modules = {}
     for i, layer in enumerate(m.layers):
-        modules[("mix", i)], modules[("ffn", i)] = layer.self_attn, ffn(layer)
+        modules[("mix", i)] = layer.self_attn
+        modules[("ffn", i)] = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
     logits, rec, tokens = run_capturing(model, modules, num_tokens=10, seed=5)
 
     nb = -(-L // B)

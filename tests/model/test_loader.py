@@ -106,18 +106,18 @@ def test_unknown_model_type(tmp_path):
 
 
 def test_kimi_k3_without_text_config():
-    with raises(UnknownModelTypeError, "kimi_k3", "'text_config'"):
+    with raises(CheckpointError, "kimi_k3", "'text_config'"):
         KimiK3TextConfig.from_dict({"model_type": "kimi_k3", "vision_config": {}})
 
 
 @pytest.mark.parametrize("kda, full, fragment", [
-    ([1, 2, 3], [3, 4], "both lists hold [3]"),
-    ([1, 2], [4], "neither holds [3]"),
+    ([1, 2, 3], [3, 4], "in both kda_layers and full_attn_layers: [3]"),
+    ([1, 2], [4], "in neither list: [3]"),
     ([1, 2, 3], [4, 5], "out of range: [5]"),
 ])
 def test_inconsistent_layer_lists(kda, full, fragment):
     lac = {"kda_layers": kda, "full_attn_layers": full, "num_heads": 4, "head_dim": 16}
-    with raises(InconsistentLayersError, fragment, "4 layers", "kda_layers", "full_attn_layers"):
+    with raises(InconsistentLayersError, fragment, "num_hidden_layers=4", "kda_layers", "full_attn_layers"):
         parse(linear_attn_config=lac)
 
 
@@ -250,3 +250,27 @@ def test_kimi_k3_config_with_vision_config(tmp_path):
     assert k3.model_type == "kimi_k3"
     assert k3.q_lora_rank == 32 and k3.attn_res_block_size == 2 and k3.use_full_rank_gate
     assert dataclasses.replace(k3, model_type="kimi_linear") == KimiK3TextConfig.from_dict(text)
+
+
+def test_layer_listed_twice():
+    lac = {"kda_layers": [1, 1, 2, 3], "full_attn_layers": [4], "num_heads": 4, "head_dim": 16}
+    with raises(InconsistentLayersError, "kda_layers lists layers [1] more than once"):
+        parse(linear_attn_config=lac)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"model_type": "kimi_k3", "text_config": null}', "'text_config'"),
+    ('{"model_type": "kimi_linear", "vocab_size": 8, "num_hidden_layers": 1}', "'hidden_size'"),
+])
+def test_malformed_config_json(tmp_path, content, fragment):
+    (tmp_path / "config.json").write_text(content)
+    with raises(CheckpointError, fragment):
+        load_model(tmp_path)
+
+
+def test_malformed_index_json(tmp_path):
+    write(tmp_path, shards=2)
+    (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with raises(CheckpointError, "model.safetensors.index.json", "weight_map"):
+        load_model(tmp_path)

@@ -41,11 +41,21 @@ def resolve_dtype(dtype: str | torch.dtype, config_raw: dict | None = None) -> t
             raise ValueError(f"dtype={dtype} is not supported; expected float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
-        saved = (config_raw or {}).get("dtype") or (config_raw or {}).get("torch_dtype") or "float32"
-        return _DTYPES.get(saved, torch.float32)
-    if dtype not in _DTYPES:
+        raw = config_raw or {}
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+        saved = next((c[k] for c in (raw, text) for k in ("dtype", "torch_dtype") if c.get(k)), "float32")
+        if _parse_dtype(saved) is None:
+            raise CheckpointError(f"config.json names dtype {saved!r}; expected float32, bfloat16 or float16 "
+                                  "(or pass an explicit --dtype)")
+        return _parse_dtype(saved)
+    parsed = _parse_dtype(dtype)
+    if parsed is None:
         raise ValueError(f"dtype={dtype!r} is not supported; expected one of auto, float32, bfloat16, float16")
-    return _DTYPES[dtype]
+    return parsed
+
+
+def _parse_dtype(name: str) -> torch.dtype | None:
+    return _DTYPES.get(str(name).lower().removeprefix("torch."))
 
 
 def read_config_json(model_dir: str | Path) -> dict:
@@ -68,7 +78,11 @@ def load_config(model_dir: str | Path) -> KimiK3TextConfig:
 def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} must be JSON with a 'weight_map' object of tensor name -> shard "
+                                  f"file ({type(e).__name__}: {e})") from e
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise CheckpointNotFoundError(f"{INDEX_FILE} in {model_dir} lists shards that are missing: {missing}")
@@ -137,7 +151,7 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
             continue  # some writers store the tied head too
         if name not in params:
             # transformers writes 0-width shared experts for n_shared_experts=0; they hold nothing.
-            if tensor.numel() != 0:
+            if not (tensor.numel() == 0 and ".shared_experts." in name):
                 unexpected.append(ckpt_name)
             continue
         param = params[name]

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.model_executor.checkpoint_errors import InconsistentLayersError, UnknownModelTypeError
+from vllm.model_executor.checkpoint_errors import CheckpointError, InconsistentLayersError, UnknownModelTypeError
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,22 @@ class KimiK3TextConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, ids in (("kda_layers", self.kda_layers), ("full_attn_layers", self.mla_layers)):
+            repeated = sorted({i + 1 for i in ids if ids.count(i) > 1})
+            if repeated:
+                raise InconsistentLayersError(f"linear_attn_config.{name} lists layers {repeated} more than once")
         layers = sorted(self.kda_layers + self.mla_layers)
         if layers != list(range(self.num_hidden_layers)):
-            dup = sorted(set(self.kda_layers) & set(self.mla_layers))
-            missing = sorted(set(range(self.num_hidden_layers)) - set(layers))
-            extra = sorted(set(layers) - set(range(self.num_hidden_layers)))
+            everything = set(range(self.num_hidden_layers))
+            problems = {
+                "in both kda_layers and full_attn_layers": sorted(set(self.kda_layers) & set(self.mla_layers)),
+                "in neither list": sorted(everything - set(layers)),
+                "out of range": sorted(set(layers) - everything),
+            }
+            detail = "; ".join(f"{what}: {[i + 1 for i in ids]}" for what, ids in problems.items() if ids)
             raise InconsistentLayersError(
-                f"linear_attn_config must assign each of the {self.num_hidden_layers} layers to exactly one of "
-                f"kda_layers / full_attn_layers (1-indexed): both lists hold {[i + 1 for i in dup]}, "
-                f"neither holds {[i + 1 for i in missing]}, out of range: {[i + 1 for i in extra]}")
+                f"linear_attn_config must assign each of the num_hidden_layers={self.num_hidden_layers} layers "
+                f"(1-indexed) to exactly one of kda_layers / full_attn_layers; {detail}")
         if self.hidden_act not in ("silu", "situ"):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; expected 'silu' or 'situ'")
         if self.gate_lower_bound is not None and not -5.0 <= self.gate_lower_bound < 0.0:
@@ -148,6 +155,8 @@ class KimiK3TextConfig:
     # ---- parsing --------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KimiK3TextConfig:
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"config.json must hold a JSON object, not {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnknownModelTypeError(
@@ -156,8 +165,9 @@ class KimiK3TextConfig:
             ignored = [k for k in ("vision_config", "media_placeholder_token_id") if k in raw]
             if ignored:
                 logger.info("kimi_k3 config: ignoring %s (this engine serves the text model only)", ignored)
-            if "text_config" not in raw:
-                raise UnknownModelTypeError("a kimi_k3 config.json must hold the language model in 'text_config'")
+            if not isinstance(raw.get("text_config"), dict):
+                raise CheckpointError("a kimi_k3 config.json must hold the language model as an object in "
+                                      "'text_config'")
             text = dict(raw["text_config"])
             text.setdefault("model_type", "kimi_linear")
             cfg = cls.from_dict(text)
@@ -195,7 +205,7 @@ def _layer_lists(raw: dict[str, Any], num_layers: int) -> tuple[list[int], list[
 def _text_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if key not in raw:
-            raise KeyError(f"config.json lacks the required key {key!r}")
+            raise CheckpointError(f"config.json lacks the required key {key!r}")
     num_layers = raw["num_hidden_layers"]
     kda, mla = _layer_lists(raw, num_layers)
     lac = raw.get("linear_attn_config") or {}
@@ -218,5 +228,6 @@ def _text_kwargs(raw: dict[str, Any]) -> dict[str, Any]:
         kw["first_k_dense_replace"] = raw["mlp_layer_types"].count("dense")
     if raw.get("mla_use_nope") is False:
         raise ValueError("mla_use_nope=false (RoPE in the target's MLA) is not supported; Kimi models use NoPE")
-    kw["extra"] = {k: v for k, v in raw.items() if k not in kw}
+    consumed = set(kw) | {alias for names in _ALIASES.values() for alias in names}
+    kw["extra"] = {k: v for k, v in raw.items() if k not in consumed}
     return kw
