@@ -9,6 +9,9 @@ from vllm.tools.make_tiny_model import write_tiny_model
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # fp32 comparisons against references must not silently run in TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -1,25 +1,48 @@
 """Our model's logits equal transformers' KimiLinearForCausalLM on tiny random checkpoints (fp32, CPU).
 
 Each configuration is written with transformers' save_pretrained and read back by our loader, so the
-test covers the checkpoint names and layouts as well as the math.
+test covers the checkpoint names and layouts as well as the math. The oracle is transformers' torch code on
+the CPU, whatever device our model runs on.
 """
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from vllm.model_executor.model_loader import load_model
+from vllm.model_executor.sequence_runner import SeqChunk, SequenceRunner
 
-from vllm.model_executor.model_loader import load_model  # noqa: E402
-from vllm.model_executor.sequence_runner import SeqChunk, SequenceRunner  # noqa: E402
+
+def import_torch_only_oracle():
+    """transformers picks fla-core's Triton kernels when fla is importable (decided at import time); those
+    run only on CUDA and in TF32. Import the modeling file with fla hidden so the oracle is plain torch."""
+    name = "transformers.models.kimi_linear.modeling_kimi_linear"
+    if name not in sys.modules:
+        saved = sys.modules.get("fla")
+        sys.modules["fla"] = None  # makes `import fla` raise ImportError
+        try:
+            importlib.import_module(name)
+        finally:
+            if saved is None:
+                del sys.modules["fla"]
+            else:
+                sys.modules["fla"] = saved
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    return KimiLinearConfig, KimiLinearForCausalLM
+
+
+KimiLinearConfig, KimiLinearForCausalLM = import_torch_only_oracle()
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=1.0,
             hidden_act="silu", rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 CONFIGS = {
     # Kimi's own 3:1 pattern, plain q_proj, one shared expert, one group.
@@ -66,10 +89,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(name, tmp_path):
+def test_logits_match_transformers(name, device, tmp_path):
     hf = perturbed_hf_model(CONFIGS[name], seed=len(name))
-    ours = load_model(save_for_us(hf, tmp_path / name), "float32")
+    ours = load_model(save_for_us(hf, tmp_path / name), "float32", device)
     runner = SequenceRunner(ours, max_seqs=4, max_model_len=256)
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (1, 37, 150)]
@@ -80,13 +104,14 @@ def test_logits_match_transformers(name, tmp_path):
     for prompt, logits in zip(prompts, got):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
-        assert rel_err(logits, ref) <= 1e-4, name
+        assert rel_err(logits.cpu(), ref) <= 1e-4, name
 
 
-def test_decode_matches_transformers_generate(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_matches_transformers_generate(device, tmp_path):
     """Greedy continuation through the carried KDA state and latent cache equals transformers' generate."""
     hf = perturbed_hf_model(CONFIGS["q_lora_groups"], seed=7)
-    ours = load_model(save_for_us(hf, tmp_path / "m"), "float32")
+    ours = load_model(save_for_us(hf, tmp_path / "m"), "float32", device)
     prompt = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,

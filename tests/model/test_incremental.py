@@ -10,14 +10,18 @@ from vllm.model_executor.sequence_runner import SeqChunk, SequenceRunner
 from vllm.tools.make_tiny_model import write_tiny_model
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
 def random_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["k3", "kimi_linear"])
 @pytest.mark.parametrize("chunks", [[90], [1, 89], [17, 33, 40], [64, 26]])
-def test_chunked_prompt_then_decode_equals_whole(family, chunks, request):
-    model = load_model(request.getfixturevalue(f"tiny_{family}"), "float32")
+def test_chunked_prompt_then_decode_equals_whole(family, chunks, device, request):
+    model = load_model(request.getfixturevalue(f"tiny_{family}"), "float32", device)
     runner = SequenceRunner(model, max_seqs=2, max_model_len=128, block_size=16)
     ids = random_ids(100, seed=sum(chunks))
     whole = runner.forward_whole(ids)
@@ -59,8 +63,9 @@ def test_mixed_batch_equals_each_sequence_alone(tiny_k3):
         torch.testing.assert_close(torch.cat(got[i]), alone[i], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["k3", "kimi_linear"])
-def test_bf16_logits_within_tolerance_of_fp32(family, tmp_path):
+def test_bf16_logits_within_tolerance_of_fp32(family, device, tmp_path):
     """bf16 compute vs fp32 compute on the same (bf16-stored) weights.
 
     Every expert is active so that the comparison measures rounding, not the discrete top-k flips that
@@ -70,8 +75,8 @@ def test_bf16_logits_within_tolerance_of_fp32(family, tmp_path):
     """
     path = write_tiny_model(tmp_path / family, family, dtype=torch.bfloat16, num_experts_per_token=8)
     ids = random_ids(60, 1)
-    fp32 = SequenceRunner(load_model(path, "float32")).forward_whole(ids)
-    bf16 = SequenceRunner(load_model(path, "bfloat16")).forward_whole(ids)
+    fp32 = SequenceRunner(load_model(path, "float32", device)).forward_whole(ids)
+    bf16 = SequenceRunner(load_model(path, "bfloat16", device)).forward_whole(ids)
     bound = {"kimi_linear": 0.03, "k3": 0.08}[family]
     assert ((bf16 - fp32).norm() / fp32.norm()).item() < bound
     assert (bf16.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8  # random logits are near-flat
