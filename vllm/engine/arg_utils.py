@@ -1,0 +1,110 @@
+"""EngineArgs: every engine flag once (upstream names), with argparse wiring and the config it builds."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
+                         CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, VllmConfig)
+from vllm.model_executor.model_loader import read_config_json, resolve_dtype
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, as upstream's CPU backend
+
+
+@dataclass
+class EngineArgs:
+    model: str = str(DEFAULT_MODEL_DIR)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    mamba_ssm_cache_dtype: str = "float32"
+    attention_backend: str = "auto"
+    kda_prefill_backend: str = "auto"
+    kda_decode_backend: str = "auto"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model, help="model directory (default: the built-in tiny Kimi-K3)")
+        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and activations dtype")
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max requests per step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget per step; longer prompts are prefilled in chunks")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="fraction of GPU memory the engine may use (weights, activations and cache)")
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help=f"cache budget in bytes (overrides the GPU fraction; on CPU the default is "
+                            f"${CPU_KV_CACHE_SPACE_ENV} GiB, else 4 GiB)")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per MLA latent-cache block")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="force the number of MLA cache blocks (tests use it to force preemption)")
+        g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        g.add_argument("--mamba-ssm-cache-dtype", default=d.mamba_ssm_cache_dtype, choices=sorted(STATE_DTYPES),
+                       help="dtype of the KDA recurrent state pools")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=MLA_BACKENDS,
+                       help="MLA backend")
+        g.add_argument("--kda-prefill-backend", default=d.kda_prefill_backend, choices=KDA_PREFILL_BACKENDS)
+        g.add_argument("--kda-decode-backend", default=d.kda_decode_backend, choices=KDA_DECODE_BACKENDS)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> VllmConfig:
+        raw = read_config_json(self.model)
+        hf_config = KimiK3TextConfig.from_dict(raw)
+        device = self._device()
+        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
+            raise ValueError(f"--mamba-ssm-cache-dtype={self.mamba_ssm_cache_dtype!r} is invalid: expected one of "
+                             f"{', '.join(sorted(STATE_DTYPES))}")
+        max_model_len = self.max_model_len or hf_config.max_position_embeddings
+        model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer or self.model,
+                                   dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,
+                                   hf_config=hf_config, device=device)
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device.type == "cpu":
+            kv_bytes = int(float(os.environ.get(CPU_KV_CACHE_SPACE_ENV, "4")) * (1 << 30))
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     kv_cache_memory_bytes=kv_bytes,
+                                     mamba_ssm_cache_dtype=STATE_DTYPES[self.mamba_ssm_cache_dtype]),
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                             max_num_batched_tokens=self.max_num_batched_tokens,
+                                             max_model_len=max_model_len),
+            kernel_config=KernelConfig(self.attention_backend, self.kda_prefill_backend, self.kda_decode_backend),
+            compilation_config=CompilationConfig(enforce_eager=self.enforce_eager),
+        )
+
+    def _device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device=cuda was asked for but torch sees no CUDA device on this machine")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device={self.device!r} is invalid: expected auto, cpu or cuda")
+        return torch.device(self.device)

@@ -1,0 +1,138 @@
+"""LLMEngine: add_request / abort_request / step, owning the scheduler, the model runner and the outputs.
+
+A user request with n > 1 becomes n child requests (seeded children get seed + index, so n samples differ
+but stay reproducible); the output processor folds them back into one RequestOutput.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.core.request import Request, RequestStatus
+from vllm.core.scheduler import Scheduler
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.output_processor import OutputProcessor
+from vllm.outputs import RequestOutput
+from vllm.sample.sampler import SamplingMetadata
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = get_tokenizer(mc.tokenizer)
+        self.runner = ModelRunner(config)
+        self.kv_cache_manager = self.runner.initialize_cache()
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.vocab_size = mc.hf_config.vocab_size
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt)
+        max_len = self.config.model_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but --max-model-len is {max_len}: it must be at "
+                             "most max_model_len - 1 so that at least one token can be generated")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        if len(ids) + max_tokens > max_len:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"--max-model-len ({max_len})")
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_params.all_stop_token_ids = set(child_params.stop_token_ids)
+            generator = None
+            if child_params.seed is not None:
+                generator = torch.Generator(self.config.model_config.device).manual_seed(child_params.seed)
+            children.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", ids, child_params,
+                                    max_tokens, self.eos_token_ids, arrival_time or time.monotonic(),
+                                    generator=generator))
+        self.output_processor.add(request_id, text, children, params)
+        for c in children:
+            self.scheduler.add_request(c)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        outputs = []
+        for rid in ids:
+            self.scheduler.abort(self.output_processor.child_ids(rid))
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    # ---- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampling = self._sampling_metadata(sched)
+        result = self.runner.execute_model(sched, self.kv_cache_manager, sampling)
+        for rid, rows in result.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(rid, rows)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        for rid in stopped:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def _sampling_metadata(self, sched) -> SamplingMetadata | None:
+        reqs = [s.request for s in sched.scheduled if s.samples]
+        if not reqs:
+            return None
+        banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
+                  if len(r.output_token_ids) < r.sampling_params.min_tokens else [] for r in reqs]
+        return SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
+                                              [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
+                                              banned, self.config.model_config.device)

@@ -1,0 +1,136 @@
+"""OutputProcessor: per-request detokenization, stop strings, logprobs and n > 1 aggregation into RequestOutputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.core.request import Request, RequestStatus
+from vllm.engine.detokenizer import IncrementalDetokenizer
+from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ChildState:
+    """One completion (one of the n samples) of a user request."""
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: SampleLogprobs | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[ChildState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    finished_children: set[int] = field(default_factory=set)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_parent: dict[str, tuple[str, int]] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams) -> None:
+        states = [ChildState(c, i, IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params),
+                             [] if params.logprobs is not None else None,
+                             0.0 if params.logprobs is not None else None) for i, c in enumerate(children)]
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, params, states,
+                             RequestMetrics(arrival_time=children[0].arrival_time),
+                             [None] if params.prompt_logprobs is not None else None)
+        self.parents[request_id] = parent
+        for i, c in enumerate(children):
+            self.child_parent[c.request_id] = (request_id, i)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return [] if parent is None else [c.request.request_id for c in parent.children]
+
+    def add_prompt_logprobs(self, child_id: str, rows: list[tuple[list[int], list[float], int]]) -> None:
+        parent_id, index = self.child_parent[child_id]
+        parent = self.parents[parent_id]
+        # Preemption recomputes prompt rows already reported: keep each prompt position once (from child 0).
+        if index != 0 or parent.prompt_logprobs is None:
+            return
+        for ids, lps, rank in rows:
+            if len(parent.prompt_logprobs) < len(parent.prompt_token_ids):
+                parent.prompt_logprobs.append(self._logprob_dict(ids, lps, rank))
+
+    def process(self, updated: list[Request], logprobs: dict, now: float | None = None
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Turn the requests that got a token this step into outputs.
+
+        Returns the outputs and the child request ids that a stop string finished (the engine must abort them
+        in the scheduler so their cache is freed).
+        """
+        now = time.monotonic() if now is None else now
+        touched: dict[str, ParentState] = {}
+        stopped_by_string = []
+        for req in updated:
+            parent_id, index = self.child_parent[req.request_id]
+            parent = self.parents[parent_id]
+            child = parent.children[index]
+            token = req.output_token_ids[-1]
+            m = parent.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
+            if child.logprobs is not None and req.request_id in logprobs:
+                ids, lps, rank = logprobs[req.request_id]
+                child.logprobs.append(self._logprob_dict(ids, lps, rank))
+                child.cumulative_logprob += lps[0]
+            stop_str = child.detokenizer.update([token])
+            if stop_str is not None and not req.status.finished:
+                stopped_by_string.append(req.request_id)
+                child.finish_reason, child.stop_reason = "stop", stop_str
+            elif req.status.finished:
+                child.finish_reason = req.status.value
+                child.stop_reason = req.stop_reason
+            if child.finish_reason is not None:
+                parent.finished_children.add(index)
+            touched[parent_id] = parent
+        outputs = [self._output(p, now) for p in touched.values()]
+        return outputs, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for c in parent.children:
+            if c.finish_reason is None:
+                c.finish_reason = RequestStatus.FINISHED_ABORTED.value
+                parent.finished_children.add(c.index)
+        return self._output(parent, time.monotonic())
+
+    def _output(self, parent: ParentState, now: float) -> RequestOutput:
+        finished = len(parent.finished_children) == len(parent.children)
+        completions = []
+        for c in parent.children:
+            det = c.detokenizer
+            text = det.output_text if c.finish_reason is not None else det.get_next_output_text(False, False)
+            completions.append(CompletionOutput(
+                index=c.index, text=text, token_ids=list(c.request.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason))
+        if finished:
+            parent.metrics.finished_time = now
+            del self.parents[parent.request_id]
+            for c in parent.children:
+                self.child_parent.pop(c.request.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
+                             completions, finished, parent.metrics)
+
+    def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        out = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}
+        for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            out.setdefault(tid, Logprob(lp, r, self.tokenizer.decode([tid])))
+        return out

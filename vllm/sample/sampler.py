@@ -1,0 +1,184 @@
+"""The sampler for one engine step (upstream vLLM v1 semantics), one row per request that samples this step.
+
+Order: banned ids -> penalties -> greedy rows take the argmax; random rows: temperature -> min-p -> top-k ->
+top-p -> exponential race. Logprobs come from the raw logits, before any of that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32; 0: greedy
+    top_k: torch.Tensor  # [B] int64; 0: off
+    top_p: torch.Tensor  # [B] float32; 1: off
+    min_p: torch.Tensor  # [B] float32; 0: off
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32; 1: off
+    generators: list[torch.Generator | None]  # a seeded row's own generator, on the logits' device
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]  # generated before this step
+    banned_token_ids: list[list[int]]  # e.g. stop/eos ids while below min_tokens
+    max_num_logprobs: int | None  # None: no row wants logprobs
+    # Host-side flags let a step skip whole passes without reading the device tensors back. The defaults are
+    # the safe ones: with off values a pass changes nothing, it only costs time.
+    all_greedy: bool
+    no_penalties: bool
+    no_min_p: bool = False
+    no_top_k_top_p: bool = False
+
+    @classmethod
+    def from_requests(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+                      prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                      banned_token_ids: list[list[int]], device: torch.device | str) -> SamplingMetadata:
+        rows = {"generators": generators, "prompt_token_ids": prompt_token_ids,
+                "output_token_ids": output_token_ids, "banned_token_ids": banned_token_ids}
+        for name, value in rows.items():
+            if len(value) != len(params):
+                raise ValueError(f"{name} has {len(value)} rows but there are {len(params)} SamplingParams; "
+                                 "pass one entry per sampling request, in the same order")
+
+        def column(attr: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, attr) for p in params], dtype=dtype, device=device)
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=column("temperature", torch.float32),
+            top_k=column("top_k", torch.int64),
+            top_p=column("top_p", torch.float32),
+            min_p=column("min_p", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            generators=list(generators),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            banned_token_ids=banned_token_ids,
+            max_num_logprobs=max(wanted) if wanted else None,
+            all_greedy=all(p.greedy for p in params),
+            no_penalties=all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+                             for p in params),
+            no_min_p=all(p.min_p == 0 for p in params),
+            no_top_k_top_p=all(p.top_k == 0 and p.top_p == 1 for p in params),
+        )
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    token_ids: torch.Tensor  # [N, k+1] int64: column 0 the chosen/target token, then the top-k ids
+    logprobs: torch.Tensor  # [N, k+1] float32
+    ranks: torch.Tensor  # [N] int64: rank of the column-0 token (1 = most likely)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Never writes into the caller's logits: the runner may still need them (e.g. for prompt logprobs)."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Users ask for the model's own distribution, so logprobs ignore penalties and filters (upstream's
+        # default "raw_logprobs").
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        if any(meta.banned_token_ids):
+            logits = logits.masked_fill(token_counts(meta.banned_token_ids, logits) > 0, float("-inf"))
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+        sampled = logits.argmax(-1)
+        if not meta.all_greedy:
+            sampled = torch.where(meta.temperature == 0, sampled, sample_random(logits, meta))
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+
+def token_counts(rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 count of each token id in each row, on the logits' device."""
+    num_rows, vocab_size = logits.shape
+    width = max(map(len, rows), default=0)
+    # Padding with an id one past the vocab lands in a spare column that is cut off, so ragged rows need no mask.
+    ids = torch.tensor([list(r) + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64,
+                       device=logits.device).view(num_rows, width)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition over prompt and output tokens, then presence and frequency over output tokens only."""
+    counts = token_counts(meta.output_token_ids, logits)
+    in_output = counts > 0
+    seen = in_output | (token_counts(meta.prompt_token_ids, logits) > 0)
+    rep = meta.repetition_penalty.unsqueeze(1)
+    # Dividing a positive logit and multiplying a negative one both lower it when the penalty is > 1.
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - meta.frequency_penalty.unsqueeze(1) * counts - meta.presence_penalty.unsqueeze(1) * in_output
+
+
+def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A token for every row as if none were greedy; the caller keeps the argmax for greedy rows."""
+    # Greedy rows ride along at temperature 1: dividing by their 0 would fill them with inf/NaN.
+    temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if not meta.no_min_p:
+        logits = apply_min_p(logits, meta.min_p)
+    if not meta.no_top_k_top_p:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return exponential_race(logits.softmax(-1), meta.generators)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the top token's."""
+    probs = logits.softmax(-1)
+    drop = probs < min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p over the renormalised survivors, with one ascending sort of the whole batch."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)
+    k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+    # A threshold rather than a count: ties with the k-th value survive, as upstream.
+    kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Ascending, a token is dropped when it and everything below it hold at most 1 - p, which leaves the
+    # smallest top set holding at least p.
+    drop = sorted_logits.softmax(-1).cumsum(-1) <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # float error must never empty a row
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (the smallest of independent Exp(p_i)
+    variables is the i-th with probability p_i / sum p), in one pass with no cumulative sum. A seeded row draws
+    its q from its own generator, so its tokens do not depend on the rest of the batch."""
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    # exponential_ may return exactly 0; a masked token would then score 0/0 = NaN, and argmax picks NaN.
+    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(-1)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Column 0: each row's token_ids entry (sampled or prompt target); then the row's top k, most likely first."""
+    token_ids = token_ids.long().unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    # Counting >= includes the token itself, so the top token has rank 1 (ties share the worse rank, as upstream).
+    ranks = (logprobs >= token_logprobs).sum(-1)
+    return LogprobsTensors(torch.cat([token_ids, top_ids], 1), torch.cat([token_logprobs, top_logprobs], 1), ranks)

@@ -1,0 +1,86 @@
+"""SamplingParams: how one request samples and when it stops (upstream names and defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        else:
+            self.stop = list(self.stop)
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the text)")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters are irrelevant; normalise them so batches stay on the fast path.
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1"),
+            (self.temperature >= 0.0, "temperature", self.temperature, ">= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]"),
+            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
+             "an integer >= 0 (0 or -1 disables it)"),
+            (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "in (0, 10]"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "max_tokens", self.max_tokens, "an integer >= 1 (or None)"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+             f"<= max_tokens={self.max_tokens}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
+             self.logprobs, "an integer >= 0 (or None)"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+             "prompt_logprobs", self.prompt_logprobs, "an integer >= 0 (or None)"),
+            (self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer (or None)"),
+        ]
+        for ok, name, value, expected in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

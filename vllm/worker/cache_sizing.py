@@ -1,0 +1,76 @@
+"""How many MLA blocks and KDA state slots fit in the memory budget.
+
+On CUDA the budget is `gpu_memory_utilization * total` minus what other processes hold, the weights and the
+profiled activation peak; on CPU (or with --kv-cache-memory-bytes) it is given. State slots are sized first
+(one per running request, up to max_num_seqs, at most half the budget), blocks take the rest.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class CacheLayout:
+    num_blocks: int
+    num_state_slots: int
+    block_bytes: int  # all MLA layers, one block
+    slot_bytes: int  # all KDA layers, one request's conv + recurrent state
+    budget_bytes: int
+
+
+def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
+    hf, cc = config.model_config.hf_config, config.cache_config
+    act = torch.empty((), dtype=config.model_config.dtype).element_size()
+    state = torch.empty((), dtype=cc.mamba_ssm_cache_dtype).element_size()
+    block = len(hf.mla_layers) * cc.block_size * hf.mla_cache_dim * act
+    conv_h, conv_w = hf.kda_conv_state_shape()
+    H, V, K = hf.kda_ssm_state_shape()
+    slot = len(hf.kda_layers) * (conv_h * conv_w * act + H * V * K * state)
+    return block, slot
+
+
+def cache_budget(config: VllmConfig, activation_peak_bytes: int) -> int:
+    cc = config.cache_config
+    if cc.kv_cache_memory_bytes is not None:
+        return cc.kv_cache_memory_bytes
+    device = config.model_config.device
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    weights = torch.cuda.memory_allocated(device)
+    return int(total * cc.gpu_memory_utilization) - others - max(activation_peak_bytes, weights)
+
+
+def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
+    cc, sc, hf = config.cache_config, config.scheduler_config, config.model_config.hf_config
+    block_bytes, slot_bytes = per_unit_bytes(config)
+    budget = cache_budget(config, activation_peak_bytes)
+    slots = 0
+    if slot_bytes:
+        slots = min(sc.max_num_seqs, max(budget // 2, 0) // slot_bytes)
+        if slots < 1:
+            raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's KDA state "
+                             f"({slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
+                             "--kv-cache-memory-bytes, or use --mamba-ssm-cache-dtype bfloat16")
+    if cc.num_gpu_blocks_override is not None:
+        blocks = cc.num_gpu_blocks_override
+    else:
+        blocks = (budget - slots * slot_bytes) // block_bytes if block_bytes else 0
+    needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
+    if blocks < needed:
+        raise ValueError(f"the MLA cache holds {blocks} blocks = {blocks * cc.block_size} tokens, fewer than one "
+                         f"request of --max-model-len={sc.max_model_len}; lower --max-model-len or give the cache "
+                         "more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)")
+    layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget)
+    logger.info("cache: %d MLA blocks x %d tokens (%.1f KiB each, %d bytes/token), %d KDA state slots "
+                "(%.2f MiB each, %s state); budget %.1f MiB, activation peak %.1f MiB",
+                blocks, cc.block_size, block_bytes / 1024, block_bytes // max(cc.block_size, 1), slots,
+                slot_bytes / 2**20, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / 2**20,
+                activation_peak_bytes / 2**20)
+    return layout

@@ -1,0 +1,77 @@
+"""Persistent host/device buffers that one step's inputs are written into (never reallocated).
+
+Host copies are numpy views of (pinned, on CUDA) CPU tensors; each step writes them and issues one copy per
+buffer to the device. Graph capture (later) relies on the device tensors never moving.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.attention.backend import CommonAttentionMetadata
+from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.scheduler import SchedulerOutput
+
+
+class CpuGpuBuffer:
+    def __init__(self, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        if self.gpu is not self.cpu:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
+        self.state_indices = CpuGpuBuffer(max_num_reqs, torch.int32, device)
+        self.block_table = CpuGpuBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> CommonAttentionMetadata:
+        """Writes the step's token ids, positions and cache indices; returns the step's common metadata."""
+        bs = self.block_size
+        n_reqs = len(out.scheduled)
+        qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
+        qsl[0] = 0
+        for r, s in enumerate(out.scheduled):
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
+            t0 = int(qsl[r])
+            qsl[r + 1] = t0 + n
+            seq_lens[r] = start + n
+            self.input_ids.np[t0:t0 + n] = req.token_ids_slice(start, start + n)
+            self.positions.np[t0:t0 + n] = np.arange(start, start + n)
+            blocks = kv.block_ids(req.request_id)
+            if blocks:
+                self.block_table.np[r, :len(blocks)] = blocks
+                pos = self.positions.np[t0:t0 + n]
+                self.slot_mapping.np[t0:t0 + n] = self.block_table.np[r, pos // bs].astype(np.int64) * bs + pos % bs
+            else:
+                self.slot_mapping.np[t0:t0 + n] = -1
+            self.state_indices.np[r] = kv.state_slot(req.request_id)
+        T = int(qsl[n_reqs])
+        self.input_ids.copy_to_device(T)
+        self.positions.copy_to_device(T)
+        max_query = max((s.num_tokens for s in out.scheduled), default=0)
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc.copy_to_device(n_reqs + 1),
+            query_start_loc_cpu=self.query_start_loc.cpu[:n_reqs + 1],
+            seq_lens=self.seq_lens.copy_to_device(n_reqs),
+            seq_lens_cpu=self.seq_lens.cpu[:n_reqs],
+            num_reqs=n_reqs, num_actual_tokens=T, max_query_len=max_query,
+            max_seq_len=int(seq_lens[:n_reqs].max()) if n_reqs else 0,
+            block_table=self.block_table.copy_to_device(n_reqs),
+            slot_mapping=self.slot_mapping.copy_to_device(T),
+            is_prefilling=torch.tensor([s.is_prefilling for s in out.scheduled], dtype=torch.bool),
+            state_indices=self.state_indices.copy_to_device(n_reqs),
+        )

@@ -1,0 +1,151 @@
+"""ModelRunner: SchedulerOutput -> inputs -> CommonAttentionMetadata -> forward -> logits -> sampled tokens.
+
+It owns the model, the cache pools (sized from the device memory, or the CPU budget, after loading) and
+the persistent input buffers. Logits are computed only for rows that sample (and for prompt rows of
+requests that asked for prompt_logprobs).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.attention.backend import HybridAttentionMetadata
+from vllm.attention.selector import select_backends
+from vllm.config import VllmConfig
+from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.scheduler import SchedulerOutput
+from vllm.model_executor.model_loader import load_model
+from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
+from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from vllm.worker.cache_sizing import CacheLayout, plan_cache
+from vllm.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    # per request: (token ids [k+1], logprobs [k+1], rank) of the sampled token and the top-k
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # per request: rows for the prompt positions this step covered (first prompt token has none)
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.device, self.dtype = mc.device, mc.dtype
+        torch.manual_seed(mc.seed)
+        backends = select_backends(config.kernel_config, self.device, self.dtype)
+        self.model = load_model(mc.model, self.dtype, self.device, backends)
+        self.hf_config = mc.hf_config
+        self.block_size = config.cache_config.block_size
+        self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
+        self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
+        self.sampler = Sampler()
+        self.layout: CacheLayout | None = None
+
+    def initialize_cache(self) -> KVCacheManager:
+        """Sizes and allocates the cache pools after a profile run, binds them, returns their manager."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        self.layout = plan_cache(self.config, self._profile_peak_bytes())
+        lay = self.layout
+        caches = allocate_layer_caches(self.hf_config, lay.num_blocks, self.block_size, lay.num_state_slots,
+                                       self.dtype, cc.mamba_ssm_cache_dtype, self.device)
+        self.model.bind_caches(caches)
+        max_blocks = -(-sc.max_model_len // self.block_size)
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
+                                      self.device)
+        return KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
+                              needs_blocks=bool(self.hf_config.mla_layers),
+                              needs_slots=bool(self.hf_config.kda_layers))
+
+    def _profile_peak_bytes(self) -> int:
+        """Peak device memory of a forward over a full token budget, with caches just big enough for it."""
+        if self.device.type != "cuda":
+            return 0
+        sc = self.config.scheduler_config
+        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        blocks = -(-n // self.block_size)
+        caches = allocate_layer_caches(self.hf_config, blocks, self.block_size, 1, self.dtype,
+                                       self.config.cache_config.mamba_ssm_cache_dtype, self.device)
+        self.model.bind_caches(caches)
+        from vllm.attention.backend import CommonAttentionMetadata
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.to(self.device), query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            seq_lens_cpu=torch.tensor([n], dtype=torch.int32), num_reqs=1, num_actual_tokens=n, max_query_len=n,
+            max_seq_len=n, block_table=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=self.device),
+            is_prefilling=torch.tensor([True]), state_indices=torch.zeros(1, dtype=torch.int32, device=self.device))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), self._attn_metadata(common))
+            self.model.compute_logits(hidden[-sc.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        cache_bytes = sum(t.numel() * t.element_size() for c in caches
+                          for t in (c.kv_cache, c.conv_state, c.ssm_state) if t is not None)
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak - cache_bytes
+
+    def _attn_metadata(self, common) -> HybridAttentionMetadata:
+        return HybridAttentionMetadata(kda=self.kda_builder.build(common) if self.kda_builder else None,
+                                       mla=self.mla_builder.build(common) if self.mla_builder else None)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput, kv: KVCacheManager,
+                      sampling: SamplingMetadata | None) -> ModelRunnerOutput:
+        common = self.input_batch.prepare(out, kv)
+        T = common.num_actual_tokens
+        hidden = self.model(self.input_batch.input_ids.gpu[:T], self.input_batch.positions.gpu[:T],
+                            self._attn_metadata(common))
+        result = ModelRunnerOutput()
+        ends = common.query_start_loc_cpu[1:].tolist()
+        sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples]
+        if sample_rows:
+            idx = torch.tensor([ends[r] - 1 for r in sample_rows], device=self.device)
+            sampled = self.sampler(self.model.compute_logits(hidden[idx]), sampling)
+            ids = sampled.sampled_token_ids.tolist()
+            lp = _to_lists(sampled.logprobs)
+            for j, r in enumerate(sample_rows):
+                rid = out.scheduled[r].request.request_id
+                result.sampled[rid] = ids[j]
+                if lp is not None and out.scheduled[r].request.sampling_params.logprobs is not None:
+                    k = out.scheduled[r].request.sampling_params.logprobs
+                    result.logprobs[rid] = (lp[0][j][:k + 1], lp[1][j][:k + 1], lp[2][j])
+        self._prompt_logprobs(out, hidden, ends, result)
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
+                         result: ModelRunnerOutput) -> None:
+        for r, s in enumerate(out.scheduled):
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            n_prompt = len(req.prompt_token_ids)
+            start = req.num_computed_tokens
+            if k is None or start >= n_prompt:
+                continue
+            # Row t predicts prompt token t+1; a chunk covering positions [start, end) scores [start+1, end].
+            end = min(start + s.num_tokens, n_prompt - 1)
+            if end <= start:
+                continue
+            rows = hidden[ends[r] - s.num_tokens:ends[r] - s.num_tokens + (end - start)]
+            logprobs = self.model.compute_logits(rows).log_softmax(-1)
+            targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], device=self.device)
+            t = _to_lists(gather_logprobs(logprobs, targets, k))
+            result.prompt_logprobs[req.request_id] = list(zip(t[0], t[1], t[2]))
+
+
+def _to_lists(t: LogprobsTensors | None):
+    if t is None:
+        return None
+    return t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()
