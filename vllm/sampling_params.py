@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
+MAX_LOGPROBS = 20  # upstream's default --max-logprobs
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -56,9 +57,12 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1"),
-            (self.temperature >= 0.0, "temperature", self.temperature, ">= 0"),
+            (0.0 <= self.temperature < float("inf"), "temperature", self.temperature, "a finite number >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]"),
             (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
              "an integer >= 0 (0 or -1 disables it)"),
@@ -71,10 +75,11 @@ class SamplingParams:
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
              f"<= max_tokens={self.max_tokens}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
-             self.logprobs, "an integer >= 0 (or None)"),
-            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
-             "prompt_logprobs", self.prompt_logprobs, "an integer >= 0 (or None)"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             "logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
+            (self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
             (self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer (or None)"),
         ]
         for ok, name, value, expected in checks:

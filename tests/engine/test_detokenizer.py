@@ -199,7 +199,9 @@ def test_stop_string_not_matched_in_prompt(tok):
 
 
 def test_detokenize_false(tok):
-    det = IncrementalDetokenizer(tok, enc(tok, "hi"), SamplingParams(detokenize=False, stop=["a"]))
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop=["a"])
+    det = IncrementalDetokenizer(tok, enc(tok, "hi"), SamplingParams(detokenize=False))
     assert det.update(enc(tok, "a banana")) is None
     assert det.output_text == ""
     assert det.get_next_output_text(finished=False, delta=True) == ""
