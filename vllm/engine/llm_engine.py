@@ -59,7 +59,8 @@ class LLMEngine:
             text, ids = None, list(prompt)
         else:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        if not ids:
+        # A "" text would still encode to [bos]; it is an empty prompt all the same.
+        if not ids or text == "":
             raise ValueError("the prompt is empty: it needs at least one token")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:

@@ -2,7 +2,8 @@
 
 On CUDA the budget is `gpu_memory_utilization * total` minus what other processes hold, the weights and the
 profiled activation peak; on CPU (or with --kv-cache-memory-bytes) it is given. State slots are sized first
-(one per running request, up to max_num_seqs, at most half the budget), blocks take the rest.
+(one per running request, up to max_num_seqs, at most half the budget), blocks take the rest, up to what
+max_num_seqs requests of max_model_len tokens can use.
 """
 from __future__ import annotations
 
@@ -58,11 +59,12 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
             raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's KDA state "
                              f"({slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
                              "--kv-cache-memory-bytes, or use --mamba-ssm-cache-dtype bfloat16")
+    needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
     if cc.num_gpu_blocks_override is not None:
         blocks = cc.num_gpu_blocks_override
     else:
-        blocks = (budget - slots * slot_bytes) // block_bytes if block_bytes else 0
-    needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
+        # More blocks than max_num_seqs full-length requests can ever hold would be memory nobody uses.
+        blocks = min((budget - slots * slot_bytes) // block_bytes, sc.max_num_seqs * needed) if block_bytes else 0
     if blocks < needed:
         raise ValueError(f"the MLA cache holds {blocks} blocks = {blocks * cc.block_size} tokens, fewer than one "
                          f"request of --max-model-len={sc.max_model_len}; lower --max-model-len or give the cache "

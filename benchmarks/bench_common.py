@@ -1,0 +1,69 @@
+"""What every benchmark records (DESIGN.md section 8): command line, git commit, device, versions, time."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    try:  # platform.processor() is empty on many Linux machines
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def metadata(device: str) -> dict:
+    return {"argv": [Path(sys.executable).name, *sys.argv], "git_commit": git_commit(),
+            "device": device, "device_name": device_name(device), "torch": torch.__version__,
+            "num_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def stats(xs: list[float]) -> dict:
+    a = np.asarray(xs, dtype=float)
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90)),
+            "mean": float(a.mean()), "n": int(a.size)}
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def set_threads(n: int) -> None:
+    """n > 0 fixes torch's intra-op threads. On a small shared CPU (2 cores, other processes busy) OpenMP
+    threading of the tiny model's small ops measured 100x slower than one thread (1.2 s vs 8 ms per step)."""
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

@@ -1,0 +1,176 @@
+"""Offline generation throughput: our `LLM.generate` versus transformers' `KimiLinearForCausalLM.generate`.
+
+    python benchmarks/bench_offline_throughput.py --device cpu --out benchmarks/results/cpu/offline_throughput_cpu.json
+    python benchmarks/bench_offline_throughput.py --device cuda --config /work/shared/bench/kimi-linear-1b3.json \
+        --dtype bfloat16 --batch-sizes 1,16,64 --prompt-len 256 --output-len 64 \
+        --out benchmarks/results/gpu/offline_throughput_cuda.json
+
+Both run the SAME weights: a random transformers model (`--config tiny`, or a KimiLinearConfig JSON) is written
+with save_pretrained (plus the built-in tokenizer files) and our engine loads that directory. Each batch is
+`--batch-size` prompts of `--prompt-len` random token ids, greedy, exactly `--output-len` new tokens (ignore_eos
+for us, eos_token_id=None for transformers). One warm-up, then `--repeats` timed runs; tokens/s counts output
+tokens over the whole call (prefill included), from the median time. On CPU transformers runs its plain torch
+KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks (fla-core kernels if importable),
+recorded in the JSON. Writes JSON (raw per-repeat times) and a bar-chart PNG next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from bench_common import REPO, metadata, set_threads, stats, sync, write_json  # noqa: E402
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.assets import DEFAULT_MODEL_DIR  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0, hidden_act="silu",
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16, "num_heads": 4,
+                                "short_conv_kernel_size": 4})
+
+
+def hf_classes(device: str):
+    if device == "cpu":  # fla's Triton kernels are CUDA-only: hide them, as the tests' oracle does
+        sys.path.insert(0, str(REPO / "tests"))
+        from hf_oracle import import_torch_only_oracle
+        return import_torch_only_oracle()
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    return KimiLinearConfig, KimiLinearForCausalLM
+
+
+def build_checkpoint(args, out_dir: Path):
+    """A random transformers model, saved where our engine can load it; returns the (kept) HF model."""
+    config_cls, model_cls = hf_classes(args.device)
+    cfg = dict(TINY) if args.config == "tiny" else json.loads(Path(args.config).read_text())
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = model_cls(config_cls(**cfg)).to(getattr(torch, args.dtype)).eval()
+    model.save_pretrained(out_dir)
+    saved = json.loads((out_dir / "config.json").read_text())
+    saved["mla_latent_norm_eps"] = 1e-6  # transformers hard-codes 1e-6 in q_a/kv_a_layernorm (tests/hf_oracle.py)
+    (out_dir / "config.json").write_text(json.dumps(saved, indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (DEFAULT_MODEL_DIR / f).is_file():
+            shutil.copy(DEFAULT_MODEL_DIR / f, out_dir / f)
+    return model, cfg
+
+
+def time_runs(fn, repeats: int, device: str) -> tuple[list[float], object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def plot(rows: list[dict], meta: dict, title: str, png: str) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    x = range(len(rows))
+    for off, key, label in ((-0.2, "ours", "ours: LLM.generate"), (0.2, "hf", "transformers generate")):
+        vals = [r[key]["tokens_per_s"] for r in rows]
+        bars = ax.bar([i + off for i in x], vals, width=0.4, label=label)
+        ax.bar_label(bars, [f"{v:,.0f}" for v in vals], fontsize=8)
+    for i, r in enumerate(rows):
+        ax.annotate(f"x{r['ratio']:.1f}", (i, max(r["ours"]["tokens_per_s"], r["hf"]["tokens_per_s"])),
+                    xytext=(0, 14), textcoords="offset points", ha="center", fontweight="bold")
+    ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
+    ax.set(yscale="log", ylabel="output tokens/s (median)", title=title)
+    ax.margins(y=0.25)
+    ax.legend(loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{meta['device_name']} ({meta['device']}), commit {meta['git_commit'][:12]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size and engine (after 1 warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")
+    args = ap.parse_args()
+    set_threads(args.threads)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    P, O = args.prompt_len, args.output_len
+    tmp = Path(tempfile.mkdtemp(prefix="bench_offline_"))
+    hf, cfg = build_checkpoint(args, tmp)
+    found = {m: importlib.util.find_spec(m) is not None for m in ("fla", "causal_conv1d")}
+    hf_info = {"attn_implementation": hf.config._attn_implementation,
+               "kda": "torch (fla hidden)" if args.device == "cpu" else
+               ("fla-core" if found["fla"] else "torch (fla not installed)"),
+               "conv": "causal_conv1d" if found["causal_conv1d"] else "torch (causal_conv1d not installed)"}
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = {b: torch.randint(3, cfg["vocab_size"], (b, P), generator=gen) for b in batches}
+    raw = {"hf": {}, "ours": {}}
+    hf_tokens = {}
+    for b in batches:  # transformers first, then free it so our engine sizes its cache without it
+        ids = prompts[b].to(args.device)
+        with torch.inference_mode():
+            raw["hf"][b], out = time_runs(lambda: hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=O, min_new_tokens=O, do_sample=False,
+                eos_token_id=None, pad_token_id=0), args.repeats, args.device)
+        assert out.shape == (b, P + O), f"transformers generated {tuple(out.shape)}, expected {(b, P + O)}"
+        hf_tokens[b] = out[:, P:].tolist()
+        print(f"transformers batch {b}: median {stats(raw['hf'][b])['median']:.3f} s", flush=True)
+    del hf
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=P + O,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * P),
+              kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None, enforce_eager=args.enforce_eager)
+    params = SamplingParams(temperature=0.0, max_tokens=O, ignore_eos=True)
+    rows = []
+    for b in batches:
+        reqs = [{"prompt_token_ids": p} for p in prompts[b].tolist()]
+        raw["ours"][b], outs = time_runs(lambda: llm.generate(reqs, params, use_tqdm=False), args.repeats,
+                                         args.device)
+        ours_tokens = [list(o.outputs[0].token_ids) for o in outs]
+        assert all(len(t) == O for t in ours_tokens)
+        same = sum(a == h for a, h in zip(ours_tokens, hf_tokens[b]))
+        row = {"batch_size": b, "greedy_sequences_identical": f"{same}/{b}"}
+        for k in ("ours", "hf"):
+            row[k] = {"s": stats(raw[k][b]), "tokens_per_s": b * O / stats(raw[k][b])["median"]}
+        row["ratio"] = row["ours"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+        rows.append(row)
+        print(f"batch {b:>4}: ours {row['ours']['tokens_per_s']:>9.1f} tok/s  transformers "
+              f"{row['hf']['tokens_per_s']:>9.1f} tok/s  ratio x{row['ratio']:.2f}  identical {same}/{b}", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = metadata(args.device)
+    import transformers
+    data = {**meta, "benchmark": "offline_throughput", "config": {**vars(args), "model_config": cfg},
+            "transformers": {"version": transformers.__version__, **hf_info}, "results": rows,
+            "raw_s": {k: {str(b): v for b, v in d.items()} for k, d in raw.items()}}
+    path = write_json(args.out, data)
+    name = "tiny Kimi-Linear" if args.config == "tiny" else Path(args.config).stem
+    plot(rows, meta, f"{name}, {args.dtype}, prompt {P}, output {O}, greedy", str(path.with_suffix(".png")))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""LLM / LLMEngine end to end (CPU; GPU under -m gpu): outputs against transformers, batch invariance across
+batching, chunked prefill, preemption and late arrivals, bad input, seeded sampling, and that every block and
+state slot is free again after each test."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hf_oracle import BASE, perturbed_hf_model, save_for_us
+
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.tools.make_tiny_model import TOKENIZER_FILES
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def make_llm():
+    created: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        kwargs.setdefault("max_model_len", 256)
+        kwargs.setdefault("dtype", "float32")
+        llm = LLM(**kwargs)
+        created.append(llm)
+        return llm
+
+    yield make
+    for llm in created:  # the invariant every engine test ends on
+        assert not llm.llm_engine.has_unfinished_requests()
+        llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def prompts(lengths, seed=0, vocab=512) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(5, vocab, (n,), generator=gen).tolist()} for n in lengths]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+MIXED = [5, 40, 1, 77, 16, 23, 130, 9, 58]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_equals_transformers_generate(make_llm, tmp_path, device):
+    hf = perturbed_hf_model({**BASE, "vocab_size": 512, "num_hidden_layers": 4, "q_lora_rank": 32,
+                             "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                             "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3],
+                                                    "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}},
+                            seed=3)
+    path = save_for_us(hf, tmp_path / "kl")
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / f, tmp_path / "kl" / f)
+    batch = prompts([3, 17, 40, 65], seed=1)
+    got = token_ids(make_llm(model=path, device=device).generate(batch, GREEDY, use_tqdm=False))
+    for p, out in zip(batch, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert out == ref[0, len(p["prompt_token_ids"]):].tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_invariance(make_llm, device):
+    """Each prompt alone == inside a batch of mixed lengths == with 16-token chunked prefill == under preemption."""
+    batch = prompts(MIXED)
+    base = make_llm(device=device)
+    alone = [token_ids(base.generate([p], GREEDY, use_tqdm=False))[0] for p in batch]
+    assert token_ids(base.generate(batch, GREEDY, use_tqdm=False)) == alone
+    chunked = make_llm(device=device, max_num_batched_tokens=16)
+    assert token_ids(chunked.generate(batch, GREEDY, use_tqdm=False)) == alone
+    # 12 blocks of 16 tokens for 9 requests that need up to 9 blocks each: preemption is certain.
+    tiny = make_llm(device=device, num_gpu_blocks_override=12, max_model_len=160, max_num_batched_tokens=64)
+    outs = tiny.generate(batch, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == alone
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+
+
+def test_requests_arriving_mid_decode(make_llm):
+    batch = prompts(MIXED, seed=2)
+    llm = make_llm(max_num_batched_tokens=48)
+    alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in batch]
+    engine = llm.llm_engine
+    done = {}
+    pending = list(enumerate(batch))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step, while others decode
+            i, p = pending.pop(0)
+            engine.add_request(f"late-{i}", p, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert [done[f"late-{i}"] for i in range(len(batch))] == alone
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(make_llm):
+    llm = make_llm()
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    target = prompts([12])[0]
+    alone = token_ids(llm.generate([target], params, use_tqdm=False))[0]
+    others = prompts([7, 30, 3], seed=9)
+    mixed = [SamplingParams(temperature=1.0, max_tokens=10), SamplingParams(seed=7, max_tokens=4), GREEDY]
+    outs = llm.generate(others[:2] + [target] + others[2:], mixed[:2] + [params] + mixed[2:], use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=10, ignore_eos=True)
+    assert token_ids(llm.generate([target], other_seed, use_tqdm=False))[0] != alone
+
+
+def test_n_logprobs_prompt_logprobs_and_stops(make_llm):
+    llm = make_llm()
+    tok = llm.get_tokenizer()
+    p = prompts([20])[0]
+    outs = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=2,
+                                            prompt_logprobs=1, ignore_eos=True), use_tqdm=False)[0]
+    assert len(outs.outputs) == 3 and len({tuple(c.token_ids) for c in outs.outputs}) == 3
+    for c in outs.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 8
+        for tok_id, pos in zip(c.token_ids, c.logprobs):
+            assert tok_id in pos and 2 <= len(pos) <= 3 and pos[tok_id].logprob <= 0
+    assert outs.prompt_logprobs[0] is None and len(outs.prompt_logprobs) == 20
+    assert all(p["prompt_token_ids"][i] in outs.prompt_logprobs[i] for i in range(1, 20))
+    # A stop token id and a stop string end generation; the stop string is not in the text.
+    free = token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0]
+    by_id = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[3]]),
+                         use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == free[:4] and by_id.finish_reason == "stop" and by_id.stop_reason == free[3]
+    text = tok.decode(free)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    by_str = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)
+    assert by_str[0].outputs[0].text == text[:text.index(stop)]
+    assert by_str[0].outputs[0].stop_reason == stop
+
+
+def test_min_tokens_holds_back_eos(make_llm):
+    llm = make_llm()
+    p = prompts([6])[0]
+    free = token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0]
+    # Make the first greedy token a stop token: min_tokens must keep it from being produced early.
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, min_tokens=5, stop_token_ids=[free[0]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert free[0] not in out.token_ids[:4] and len(out.token_ids) >= 5
+
+
+@pytest.mark.parametrize("prompt, params, fragment", [
+    ({"prompt_token_ids": list(range(5, 300))}, GREEDY, "--max-model-len is 256"),
+    ({"prompt_token_ids": list(range(5, 250))}, SamplingParams(max_tokens=20), "exceeds --max-model-len (256)"),
+    ("", GREEDY, "empty"),
+    ({"prompt_token_ids": []}, GREEDY, "empty"),
+    ({"prompt_token_ids": [5, 512, -1]}, GREEDY, "outside the vocabulary [0, 512)"),
+])
+def test_bad_requests_raise_and_engine_keeps_working(make_llm, prompt, params, fragment):
+    llm = make_llm()
+    good = prompts([8])
+    with pytest.raises(ValueError) as e:
+        llm.generate([good[0], prompt], params, use_tqdm=False)
+    assert fragment in str(e.value)
+    assert len(token_ids(llm.generate(good, GREEDY, use_tqdm=False))[0]) == 12
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    (dict(top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(n=0), "n must be an integer >= 1"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(stop=["ok", 3]), "stop must be a string or a list of strings"),
+    (dict(min_p=2.0), "min_p must be in [0, 1]"),
+    (dict(logprobs=50), "logprobs must be an integer in [0, 20]"),
+])
+def test_invalid_sampling_params(kwargs, fragment):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(max_num_seqs=0), "--max-num-seqs=0"),
+    (dict(block_size=7), "--block-size=7"),
+    (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization=1.5"),
+    (dict(kda_decode_backend="bogus"), "--kda-decode-backend='bogus'"),
+    (dict(attention_backend="FLASHINFER_MLA"), "--attention-backend=FLASHINFER_MLA is not available"),
+    (dict(mamba_ssm_cache_dtype="float16"), "--mamba-ssm-cache-dtype='float16'"),
+    (dict(max_model_len=10**9), "--max-model-len=1000000000"),
+    (dict(num_gpu_blocks_override=2, max_model_len=256), "fewer than one request of --max-model-len=256"),
+    (dict(bogus_flag=1), "unknown engine arguments ['bogus_flag']"),
+])
+def test_invalid_engine_args_name_the_flag(kwargs, fragment):
+    with pytest.raises(ValueError) as e:
+        LLM(**kwargs)
+    assert fragment in str(e.value)
+
+
+def test_abort_mid_generation_frees_everything(make_llm):
+    llm = make_llm()
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts([10, 50, 90])):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    outs = engine.abort_request(["0", "1", "2"])
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+
+
+def test_chat_uses_the_template(make_llm):
+    llm = make_llm()
+    tok = llm.get_tokenizer()
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    expected = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert tok.decode(out.prompt_token_ids) == expected
+    assert len(out.outputs[0].token_ids) == 12
