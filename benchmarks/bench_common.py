@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -19,7 +20,7 @@ def git_commit() -> str:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+                               capture_output=True, text=True, check=False).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -40,7 +41,8 @@ def device_name(device: str) -> str:
 def metadata(device: str) -> dict:
     return {"argv": [Path(sys.executable).name, *sys.argv], "git_commit": git_commit(),
             "device": device, "device_name": device_name(device), "torch": torch.__version__,
-            "num_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "num_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg_1_5_15": os.getloadavg(),
+            "python": platform.python_version(),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -58,8 +60,8 @@ def write_json(path: str | Path, data: dict) -> Path:
 
 
 def set_threads(n: int) -> None:
-    """n > 0 fixes torch's intra-op threads. On a small shared CPU (2 cores, other processes busy) OpenMP
-    threading of the tiny model's small ops measured 100x slower than one thread (1.2 s vs 8 ms per step)."""
+    """n > 0 fixes torch's intra-op threads. On a small shared CPU (2 cores, load average ~3.7 from other
+    processes) two OpenMP threads made a tiny-model decode step 1.2 s instead of 8 ms with one thread."""
     if n > 0:
         torch.set_num_threads(n)
 

@@ -21,13 +21,13 @@ from collections import defaultdict
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from bench_common import metadata, set_threads, stats, write_json  # noqa: E402
+import matplotlib.pyplot as plt
+from bench_common import metadata, set_threads, stats, write_json
 
-from vllm.assets import DEFAULT_MODEL_DIR  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.engine.llm_engine import LLMEngine  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.sampling_params import SamplingParams
 
 PARTS = ("schedule", "prepare", "attn_metadata", "sampling_metadata")
 
@@ -76,10 +76,10 @@ def measure(engine: LLMEngine, timer: StepTimer, n: int, args) -> dict:
         sched = timer.last_sched.scheduled
         if len(sched) != n or any(s.is_prefilling or s.num_tokens != 1 for s in sched):
             raise RuntimeError(f"N={n}: expected {n} pure decode rows, got {len(sched)} (preemption or prefill)")
-        for k in PARTS:
-            raw[k].append(timer.t[k] * 1e6)
-        raw["host_prep"].append((timer.t["schedule"] + timer.t["prepare"] + timer.t["attn_metadata"]) * 1e6)
-        raw["step"].append(step * 1e6)
+        timer.t["host_prep"] = timer.t["schedule"] + timer.t["prepare"] + timer.t["attn_metadata"]
+        timer.t["step"] = step
+        for k, xs in raw.items():
+            xs.append(round(timer.t[k] * 1e6, 2))
     engine.abort_request([f"n{n}-{i}" for i in range(n)])
     assert not engine.has_unfinished_requests()
     return {"num_running": n, "us": {k: stats(v) for k, v in raw.items()}, "raw_us": raw}
@@ -87,7 +87,7 @@ def measure(engine: LLMEngine, timer: StepTimer, n: int, args) -> dict:
 
 def plot(results: list[dict], meta: dict, png: str) -> None:
     ns = [r["num_running"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.6))
     for key, label, style in (("host_prep", "host prep total (schedule + prepare + attn meta)", "o-"),
                               ("schedule", "Scheduler.schedule", "s--"), ("prepare", "InputBatch.prepare", "^--"),
                               ("attn_metadata", "attention metadata build", "v--"),
@@ -100,7 +100,7 @@ def plot(results: list[dict], meta: dict, png: str) -> None:
     ax1.axhline(1000, color="red", lw=0.8, ls=":", label="1 ms (DESIGN.md target: well under)")
     ax1.set(xscale="log", yscale="log", xlabel="running decode requests", ylabel="host time per step (us)",
             title="Host step preparation (median)")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     step = [r["us"]["step"]["median"] / 1e3 for r in results]
     share = [100 * r["us"]["host_prep"]["median"] / r["us"]["step"]["median"] for r in results]
     ax2.plot(ns, step, "o-", color="black", label="full engine.step (median)")
@@ -108,9 +108,10 @@ def plot(results: list[dict], meta: dict, png: str) -> None:
             title="Full step and host-prep share")
     ax3 = ax2.twinx()
     ax3.plot(ns, share, "s--", color="tab:orange", label="host prep share of step (%)")
-    ax3.set_ylabel("host prep / step (%)")
-    ax2.legend(loc="upper left", fontsize=7)
-    ax3.legend(loc="lower right", fontsize=7)
+    ax3.set(ylabel="host prep / step (%)", ylim=(0, 1.2 * max(share)))
+    lines = ax2.get_lines() + ax3.get_lines()
+    ax2.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15),
+               ncol=2)
     for ax in (ax1, ax2):
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.grid(alpha=0.3)

@@ -6,12 +6,12 @@
         --out benchmarks/results/gpu/offline_throughput_cuda.json
 
 Both run the SAME weights: a random transformers model (`--config tiny`, or a KimiLinearConfig JSON) is written
-with save_pretrained (plus the built-in tokenizer files) and our engine loads that directory. Each batch is
-`--batch-size` prompts of `--prompt-len` random token ids, greedy, exactly `--output-len` new tokens (ignore_eos
-for us, eos_token_id=None for transformers). One warm-up, then `--repeats` timed runs; tokens/s counts output
-tokens over the whole call (prefill included), from the median time. On CPU transformers runs its plain torch
-KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks (fla-core kernels if importable),
-recorded in the JSON. Writes JSON (raw per-repeat times) and a bar-chart PNG next to it.
+with save_pretrained (plus the built-in tokenizer files) and our engine loads that directory. A batch of B is B
+prompts of `--prompt-len` random token ids, greedy, exactly `--output-len` new tokens (ignore_eos for us,
+eos_token_id=None for transformers). One warm-up each, then `--repeats` timed runs alternating between the two
+engines; tokens/s counts output tokens over the whole call (prefill included), from the median time. On CPU
+transformers runs its plain torch KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks
+(fla-core kernels if importable), recorded in the JSON. Writes JSON (raw per-repeat times) and a bar-chart PNG.
 """
 from __future__ import annotations
 
@@ -28,19 +28,20 @@ import matplotlib
 import torch
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from bench_common import REPO, metadata, set_threads, stats, sync, write_json  # noqa: E402
+import matplotlib.pyplot as plt
+from bench_common import REPO, metadata, set_threads, stats, sync, write_json
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.assets import DEFAULT_MODEL_DIR  # noqa: E402
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_MODEL_DIR
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-            n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0, hidden_act="silu",
-            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16, "num_heads": 4,
-                                "short_conv_kernel_size": 4})
+TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0, "hidden_act": "silu", "rms_norm_eps": 1e-5, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0,
+        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16, "num_heads": 4,
+                               "short_conv_kernel_size": 4}}
 
 
 def hf_classes(device: str):
@@ -69,16 +70,18 @@ def build_checkpoint(args, out_dir: Path):
     return model, cfg
 
 
-def time_runs(fn, repeats: int, device: str) -> tuple[list[float], object]:
-    out = fn()  # warm-up
-    times = []
+def time_interleaved(fns: dict, repeats: int, device: str) -> tuple[dict, dict]:
+    """One warm-up each, then the engines alternate run by run, so drifting machine load hits both alike."""
+    outs = {k: fn() for k, fn in fns.items()}
+    times = {k: [] for k in fns}
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times, out
+        for k, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return times, outs
 
 
 def plot(rows: list[dict], meta: dict, title: str, png: str) -> None:
@@ -92,7 +95,7 @@ def plot(rows: list[dict], meta: dict, title: str, png: str) -> None:
         ax.annotate(f"x{r['ratio']:.1f}", (i, max(r["ours"]["tokens_per_s"], r["hf"]["tokens_per_s"])),
                     xytext=(0, 14), textcoords="offset points", ha="center", fontweight="bold")
     ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
-    ax.set(yscale="log", ylabel="output tokens/s (median)", title=title)
+    ax.set(yscale="log", ylabel="output tokens/s (median)", title=f"{title}\n(bold: ours / transformers)")
     ax.margins(y=0.25)
     ax.legend(loc="upper left")
     ax.grid(axis="y", alpha=0.3)
@@ -112,6 +115,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size and engine (after 1 warm-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="ours, CUDA only")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")
     args = ap.parse_args()
@@ -127,35 +131,32 @@ def main() -> None:
                "conv": "causal_conv1d" if found["causal_conv1d"] else "torch (causal_conv1d not installed)"}
     gen = torch.Generator().manual_seed(args.seed)
     prompts = {b: torch.randint(3, cfg["vocab_size"], (b, P), generator=gen) for b in batches}
-    raw = {"hf": {}, "ours": {}}
-    hf_tokens = {}
-    for b in batches:  # transformers first, then free it so our engine sizes its cache without it
-        ids = prompts[b].to(args.device)
-        with torch.inference_mode():
-            raw["hf"][b], out = time_runs(lambda: hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=O, min_new_tokens=O, do_sample=False,
-                eos_token_id=None, pad_token_id=0), args.repeats, args.device)
-        assert out.shape == (b, P + O), f"transformers generated {tuple(out.shape)}, expected {(b, P + O)}"
-        hf_tokens[b] = out[:, P:].tolist()
-        print(f"transformers batch {b}: median {stats(raw['hf'][b])['median']:.3f} s", flush=True)
-    del hf
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    # Both stay resident (on CUDA our cache leaves --gpu-memory-utilization headroom for transformers' activations).
     llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=P + O,
               max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * P),
-              kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None, enforce_eager=args.enforce_eager)
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None)
     params = SamplingParams(temperature=0.0, max_tokens=O, ignore_eos=True)
-    rows = []
+
+    @torch.inference_mode()
+    def hf_generate(ids: torch.Tensor) -> torch.Tensor:
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=O, min_new_tokens=O,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    raw, rows = {"hf": {}, "ours": {}}, []
     for b in batches:
-        reqs = [{"prompt_token_ids": p} for p in prompts[b].tolist()]
-        raw["ours"][b], outs = time_runs(lambda: llm.generate(reqs, params, use_tqdm=False), args.repeats,
-                                         args.device)
-        ours_tokens = [list(o.outputs[0].token_ids) for o in outs]
+        ids, reqs = prompts[b].to(args.device), [{"prompt_token_ids": p} for p in prompts[b].tolist()]
+        times, outs = time_interleaved({"hf": lambda ids=ids: hf_generate(ids),
+                                        "ours": lambda reqs=reqs: llm.generate(reqs, params, use_tqdm=False)},
+                                       args.repeats, args.device)
+        assert outs["hf"].shape == (b, P + O), f"transformers made {tuple(outs['hf'].shape)}, expected {(b, P + O)}"
+        ours_tokens = [list(o.outputs[0].token_ids) for o in outs["ours"]]
         assert all(len(t) == O for t in ours_tokens)
-        same = sum(a == h for a, h in zip(ours_tokens, hf_tokens[b]))
+        same = sum(a == h for a, h in zip(ours_tokens, outs["hf"][:, P:].tolist()))
         row = {"batch_size": b, "greedy_sequences_identical": f"{same}/{b}"}
         for k in ("ours", "hf"):
-            row[k] = {"s": stats(raw[k][b]), "tokens_per_s": b * O / stats(raw[k][b])["median"]}
+            raw[k][str(b)] = times[k]
+            row[k] = {"s": stats(times[k]), "tokens_per_s": b * O / stats(times[k])["median"]}
         row["ratio"] = row["ours"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
         rows.append(row)
         print(f"batch {b:>4}: ours {row['ours']['tokens_per_s']:>9.1f} tok/s  transformers "
@@ -165,7 +166,7 @@ def main() -> None:
     import transformers
     data = {**meta, "benchmark": "offline_throughput", "config": {**vars(args), "model_config": cfg},
             "transformers": {"version": transformers.__version__, **hf_info}, "results": rows,
-            "raw_s": {k: {str(b): v for b, v in d.items()} for k, d in raw.items()}}
+            "raw_s": raw}
     path = write_json(args.out, data)
     name = "tiny Kimi-Linear" if args.config == "tiny" else Path(args.config).stem
     plot(rows, meta, f"{name}, {args.dtype}, prompt {P}, output {O}, greedy", str(path.with_suffix(".png")))

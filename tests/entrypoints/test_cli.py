@@ -31,6 +31,12 @@ def test_generate_on_builtin_model(device):
     assert f"on {device}" in out.stdout
 
 
-def test_generate_rejects_bad_max_tokens(capsys):
-    assert main(["generate", "--max-tokens", "0"]) == 2
-    assert "--max-tokens must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1 (or None), got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs=0 is invalid"),
+    (["--model", "/nonexistent"], "model directory '/nonexistent' does not exist"),
+])
+def test_generate_rejects_bad_input_with_one_line(capsys, argv, fragment):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err

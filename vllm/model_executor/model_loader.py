@@ -171,9 +171,10 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               backends: HybridBackends | None = None) -> KimiK3ForCausalLM:
+               backends: HybridBackends | None = None, config: KimiK3TextConfig | None = None) -> KimiK3ForCausalLM:
+    """`config`, when the caller parsed it already, saves parsing config.json again."""
     raw = read_config_json(model_dir)
-    config = KimiK3TextConfig.from_dict(raw)
+    config = config or KimiK3TextConfig.from_dict(raw)
     model = build_model(config, resolve_dtype(dtype, raw), device, backends or reference_backends())
     load_weights(model, model_dir)
     return model

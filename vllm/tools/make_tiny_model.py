@@ -33,7 +33,7 @@ def tiny_text_config(family: str, **overrides) -> dict:
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2,
         num_shared_experts=1, num_expert_group=1, topk_group=1, routed_scaling_factor=1.0, hidden_act="silu",
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, first_k_dense_replace=1,
-        moe_renormalize=True, tie_word_embeddings=False,
+        moe_renormalize=True, tie_word_embeddings=False, max_position_embeddings=4096,
         linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": 16, "num_heads": 4,
                             "short_conv_kernel_size": 4})
     if family == "k3":

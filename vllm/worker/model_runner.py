@@ -43,7 +43,7 @@ class ModelRunner:
         # Decays of long prompts underflow into denormals, which are ~100x slower on CPUs; flush them to zero.
         torch.set_flush_denormal(True)
         backends = select_backends(config.kernel_config, self.device, self.dtype)
-        self.model = load_model(mc.model, self.dtype, self.device, backends)
+        self.model = load_model(mc.model, self.dtype, self.device, backends, mc.hf_config)
         self.hf_config = mc.hf_config
         self.block_size = config.cache_config.block_size
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
