@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/cpu/host_overhead_cpu.json")
     args = ap.parse_args()
     set_threads(args.threads)
+    meta = metadata(args.device)  # at the start: the commit that was measured, not whatever landed meanwhile
     counts = [int(x) for x in args.num_running.split(",")]
     if 1 + args.warmup + args.iters >= args.max_model_len - args.prompt_len:
         raise SystemExit("--warmup + --iters must stay below --max-model-len - --prompt-len (requests would end)")
@@ -160,7 +161,6 @@ def main() -> None:
         print(f"{n:>5} {u['host_prep']['median']:>14.1f} {u['host_prep']['p90']:>9.1f} "
               f"{u['schedule']['median']:>9.1f} {u['prepare']['median']:>9.1f} {u['attn_metadata']['median']:>8.1f} "
               f"{u['sampling_metadata']['median']:>9.1f} {u['step']['median']:>10.1f}", flush=True)
-    meta = metadata(args.device)
     config = {**vars(args), "engine_args": vars(engine_args), "dtype_resolved": str(engine.config.model_config.dtype)}
     path = write_json(args.out, {**meta, "benchmark": "host_overhead", "config": config, "results": results})
     plot(results, meta, str(path.with_suffix(".png")))

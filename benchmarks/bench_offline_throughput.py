@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")
     args = ap.parse_args()
     set_threads(args.threads)
+    meta = metadata(args.device)  # at the start: the commit that was measured, not whatever landed meanwhile
     batches = [int(b) for b in args.batch_sizes.split(",")]
     P, O = args.prompt_len, args.output_len
     tmp = Path(tempfile.mkdtemp(prefix="bench_offline_"))
@@ -162,7 +163,6 @@ def main() -> None:
         print(f"batch {b:>4}: ours {row['ours']['tokens_per_s']:>9.1f} tok/s  transformers "
               f"{row['hf']['tokens_per_s']:>9.1f} tok/s  ratio x{row['ratio']:.2f}  identical {same}/{b}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    meta = metadata(args.device)
     import transformers
     data = {**meta, "benchmark": "offline_throughput", "config": {**vars(args), "model_config": cfg},
             "transformers": {"version": transformers.__version__, **hf_info}, "results": rows,

@@ -33,10 +33,11 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchMLAMetadata:
         n = common.num_reqs
         seq_lens = common.seq_lens_cpu[:n].tolist()
-        pos = torch.arange(max(seq_lens, default=0), device=common.block_table.device)
-        blocks = common.block_table[:n].long()
-        slots = [blocks[r, pos[:L] // self.block_size] * self.block_size + pos[:L] % self.block_size
-                 for r, L in enumerate(seq_lens)]
+        max_len = max(seq_lens, default=0)
+        pos = torch.arange(max_len, device=common.block_table.device)
+        blocks = common.block_table[:n, :-(-max_len // self.block_size)].long()
+        rows = blocks[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [n, max_len]
+        slots = [rows[r, :L] for r, L in enumerate(seq_lens)]
         return TorchMLAMetadata(
             query_start_loc=common.query_start_loc_cpu[:n + 1].tolist(),
             is_prefilling=common.is_prefilling[:n].tolist(),
