@@ -19,7 +19,8 @@ def test_peak_memory_within_gpu_memory_utilization(tmp_path, utilization):
     llm = LLM(model=path, tokenizer=str(DEFAULT_MODEL_DIR), device="cuda", gpu_memory_utilization=utilization,
               max_num_batched_tokens=4096)
     layout = llm.llm_engine.runner.layout
-    llm.generate([{"prompt_token_ids": list(range(5, 3000))}] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [5 + i % 200 for i in range(3000)]}] * 4, SamplingParams(max_tokens=8),
+                 use_tqdm=False)
     total = torch.cuda.get_device_properties(0).total_memory
     peak = torch.cuda.max_memory_reserved()
     print(f"utilization {utilization}: {layout.num_blocks} blocks, {layout.num_state_slots} slots, "
