@@ -59,6 +59,11 @@ class CommonAttentionMetadata:
         """Tokens each request had cached before this step."""
         return self.seq_lens_cpu - self.query_lens_cpu
 
+    def single_token_decode_rows(self) -> torch.Tensor:
+        """Rows of requests decoding (not prefilling) exactly one token this step, as a CPU long tensor."""
+        n = self.num_reqs
+        return ((~self.is_prefilling[:n]) & (self.query_lens_cpu[:n] == 1)).nonzero().flatten()
+
 
 class AttentionMetadataBuilder(ABC):
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER

@@ -2,7 +2,8 @@
 
 Each token caches one latent row [c_kv (kv_lora_rank) | k_r (qk_rope_head_dim)]. Prompt-chunk rows run
 unabsorbed (K and V expanded through kv_b_proj); decode and verify rows run absorbed MQA in the latent
-space. Both are the same math; tests force either form to check that.
+space. Both are the same math; tests force either form to check that. One-token decode rows run as one
+batched, padded MQA over all of them.
 """
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ class TorchMLAMetadata:
     context_slots: list[torch.Tensor]  # per request: the cache rows of positions 0..seq_len-1
     slot_mapping: torch.Tensor
     force_absorbed: bool | None = None  # tests: None picks by row kind
+    # One-token decode rows, batched: token index [N], padded context rows [N, S] and their validity [N, S].
+    decode_token_idx: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    decode_valid: torch.Tensor | None = None
+    decode_rows: frozenset[int] = frozenset()
 
 
 class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
@@ -38,12 +44,22 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
         blocks = common.block_table[:n, :-(-max_len // self.block_size)].long()
         rows = blocks[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [n, max_len]
         slots = [rows[r, :L] for r, L in enumerate(seq_lens)]
-        return TorchMLAMetadata(
+        meta = TorchMLAMetadata(
             query_start_loc=common.query_start_loc_cpu[:n + 1].tolist(),
             is_prefilling=common.is_prefilling[:n].tolist(),
             context_slots=slots,
             slot_mapping=common.slot_mapping[:common.num_actual_tokens],
         )
+        decode = common.single_token_decode_rows()
+        if len(decode):
+            dev = rows.device
+            lens = common.seq_lens_cpu[decode]
+            S = int(lens.max())
+            meta.decode_token_idx = common.query_start_loc_cpu[decode].long().to(dev)
+            meta.decode_slots = rows[decode.to(dev), :S]
+            meta.decode_valid = pos[None, :S] < lens.to(dev)[:, None]
+            meta.decode_rows = frozenset(decode.tolist())
+        return meta
 
 
 class TorchMLABackend(AttentionBackend):
@@ -68,10 +84,20 @@ class TorchMLABackend(AttentionBackend):
         w = kv_b_weight.float().view(H, qk_nope_head_dim + v_head_dim, L)
         w_uk, w_uv = w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
         out = q.new_empty(q.shape[0], H, v_head_dim, dtype=torch.float32)
+        if meta.decode_token_idx is not None and meta.force_absorbed is not False:
+            idx = meta.decode_token_idx
+            ctx = rows[meta.decode_slots].float()  # [N, S, L+R], padding masked below
+            c_kv, k_r = ctx[..., :L], ctx[..., L:]
+            ql = torch.einsum("nhd,hdl->nhl", q[idx, :, :qk_nope_head_dim].float(), w_uk)
+            scores = torch.einsum("nhl,nsl->nhs", ql, c_kv) + torch.einsum(
+                "nhr,nsr->nhs", q[idx, :, qk_nope_head_dim:].float(), k_r)
+            p = (scores * scale).masked_fill(~meta.decode_valid[:, None, :], float("-inf")).softmax(-1)
+            out[idx] = torch.einsum("nhl,hvl->nhv", torch.einsum("nhs,nsl->nhl", p, c_kv), w_uv)
+        batched = meta.decode_rows if meta.force_absorbed is not False else frozenset()
         qsl = meta.query_start_loc
         for r, slots in enumerate(meta.context_slots):
             s, e = qsl[r], qsl[r + 1]
-            if e == s:
+            if e == s or r in batched:
                 continue
             ctx = rows[slots].float()
             c_kv, k_r = ctx[:, :L], ctx[:, L:]
