@@ -41,25 +41,31 @@ class InputBatch:
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> CommonAttentionMetadata:
         """Writes the step's token ids, positions and cache indices; returns the step's common metadata."""
         bs = self.block_size
-        n_reqs = len(out.scheduled)
+        scheduled = out.scheduled
+        n_reqs = len(scheduled)
+        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, n_reqs)
+        lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, n_reqs)
         qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
         qsl[0] = 0
-        for r, s in enumerate(out.scheduled):
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_tokens
-            t0 = int(qsl[r])
-            qsl[r + 1] = t0 + n
-            seq_lens[r] = start + n
-            self.input_ids.np[t0:t0 + n] = req.token_ids_slice(start, start + n)
-            self.positions.np[t0:t0 + n] = np.arange(start, start + n)
-            blocks = kv.block_ids(req.request_id)
-            if blocks:
-                self.block_table.np[r, :len(blocks)] = blocks
-                pos = self.positions.np[t0:t0 + n]
-                self.slot_mapping.np[t0:t0 + n] = self.block_table.np[r, pos // bs].astype(np.int64) * bs + pos % bs
-            else:
-                self.slot_mapping.np[t0:t0 + n] = -1
-            self.state_indices.np[r] = kv.state_slot(req.request_id)
+        qsl[1:n_reqs + 1] = np.cumsum(lens)
+        seq_lens[:n_reqs] = starts + lens
         T = int(qsl[n_reqs])
+        tokens: list[int] = []
+        for s, start in zip(scheduled, starts.tolist()):
+            tokens += s.request.token_ids_slice(start, start + s.num_tokens)
+        self.input_ids.np[:T] = tokens
+        row_of_token = np.repeat(np.arange(n_reqs), lens)
+        positions = self.positions.np[:T]
+        positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
+        for r, s in enumerate(scheduled):
+            blocks = kv.block_ids(s.request.request_id)
+            self.block_table.np[r, :len(blocks)] = blocks
+            self.state_indices.np[r] = kv.state_slot(s.request.request_id)
+        if kv.needs_blocks:
+            block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
+            self.slot_mapping.np[:T] = block_ids * bs + positions % bs
+        else:
+            self.slot_mapping.np[:T] = -1
         self.input_ids.copy_to_device(T)
         self.positions.copy_to_device(T)
         max_query = max((s.num_tokens for s in out.scheduled), default=0)

@@ -19,7 +19,8 @@ from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, Attent
 class TorchMLAMetadata:
     query_start_loc: list[int]
     is_prefilling: list[bool]
-    context_slots: list[torch.Tensor]  # per request: the cache rows of positions 0..seq_len-1
+    seq_lens: list[int]
+    context_rows: torch.Tensor  # [B, max_seq_len]: request r's cache rows of positions 0..seq_lens[r]-1
     slot_mapping: torch.Tensor
     force_absorbed: bool | None = None  # tests: None picks by row kind
     # One-token decode rows, batched: token index [N], padded context rows [N, S] and their validity [N, S].
@@ -43,11 +44,11 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
         pos = torch.arange(max_len, device=common.block_table.device)
         blocks = common.block_table[:n, :-(-max_len // self.block_size)].long()
         rows = blocks[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [n, max_len]
-        slots = [rows[r, :L] for r, L in enumerate(seq_lens)]
         meta = TorchMLAMetadata(
             query_start_loc=common.query_start_loc_cpu[:n + 1].tolist(),
             is_prefilling=common.is_prefilling[:n].tolist(),
-            context_slots=slots,
+            seq_lens=seq_lens,
+            context_rows=rows,
             slot_mapping=common.slot_mapping[:common.num_actual_tokens],
         )
         decode = common.single_token_decode_rows()
@@ -95,11 +96,11 @@ class TorchMLABackend(AttentionBackend):
             out[idx] = torch.einsum("nhl,hvl->nhv", torch.einsum("nhs,nsl->nhl", p, c_kv), w_uv)
         batched = meta.decode_rows if meta.force_absorbed is not False else frozenset()
         qsl = meta.query_start_loc
-        for r, slots in enumerate(meta.context_slots):
+        for r, seq_len in enumerate(meta.seq_lens):
             s, e = qsl[r], qsl[r + 1]
             if e == s or r in batched:
                 continue
-            ctx = rows[slots].float()
+            ctx = rows[meta.context_rows[r, :seq_len]].float()
             c_kv, k_r = ctx[:, :L], ctx[:, L:]
             q_n, q_r = q[s:e, :, :qk_nope_head_dim].float(), q[s:e, :, qk_nope_head_dim:].float()
             S, T = ctx.shape[0], e - s

@@ -94,9 +94,16 @@ class KimiMoE(nn.Module):
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
         y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
-        for e in ids.unique().tolist():
-            tok, pos = (ids == e).nonzero(as_tuple=True)
-            y.index_add_(0, tok, self.experts[e](u[tok]).float() * weights[tok, pos, None])
+        # Group the (token, expert) pairs by expert: one host sync per layer for the group sizes.
+        order = ids.flatten().argsort()
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        tokens, w = order // ids.shape[1], weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                tok = tokens[start:start + n]
+                y.index_add_(0, tok, self.experts[e](u[tok]).float() * w[start:start + n, None])
+                start += n
         y = y.to(x.dtype)
         if latent:
             if hasattr(self, "routed_expert_norm"):
