@@ -2,7 +2,7 @@
 
 Each sequence owns a KDA state slot and MLA cache blocks; `step` runs any mix of prompt chunks and decode
 tokens of many sequences as one flat batch with a CommonAttentionMetadata, exactly as the engine will.
-Used by tests (incremental vs whole, batching) and by the pre-engine `vllm generate`.
+It tests the model on its own, without the scheduler: incremental vs whole, mixed batches, the oracles.
 """
 from __future__ import annotations
 

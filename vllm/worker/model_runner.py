@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.attention.backend import HybridAttentionMetadata
+from vllm.attention.backend import CommonAttentionMetadata, HybridAttentionMetadata
 from vllm.attention.selector import select_backends
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_manager import KVCacheManager
@@ -76,7 +76,6 @@ class ModelRunner:
         caches = allocate_layer_caches(self.hf_config, blocks, self.block_size, 1, self.dtype,
                                        self.config.cache_config.mamba_ssm_cache_dtype, self.device)
         self.model.bind_caches(caches)
-        from vllm.attention.backend import CommonAttentionMetadata
         qsl = torch.tensor([0, n], dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=qsl.to(self.device), query_start_loc_cpu=qsl,
@@ -99,7 +98,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak - cache_bytes
 
-    def _attn_metadata(self, common) -> HybridAttentionMetadata:
+    def _attn_metadata(self, common: CommonAttentionMetadata) -> HybridAttentionMetadata:
         return HybridAttentionMetadata(kda=self.kda_builder.build(common) if self.kda_builder else None,
                                        mla=self.mla_builder.build(common) if self.mla_builder else None)
 

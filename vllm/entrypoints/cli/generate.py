@@ -22,8 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
