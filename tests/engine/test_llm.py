@@ -79,6 +79,8 @@ def test_batch_invariance(make_llm, device):
     outs = tiny.generate(batch, GREEDY, use_tqdm=False)
     assert token_ids(outs) == alone
     assert sum(o.metrics.num_preemptions for o in outs) > 0
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
 
 
 def test_requests_arriving_mid_decode(make_llm):

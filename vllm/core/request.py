@@ -40,7 +40,7 @@ class Request:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

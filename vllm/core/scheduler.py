@@ -8,6 +8,7 @@ the tokens it already generated), which gives the same tokens as if it had never
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -78,6 +79,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = req.num_tokens
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n

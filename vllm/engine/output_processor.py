@@ -81,6 +81,7 @@ class OutputProcessor:
             child = parent.children[index]
             token = req.output_token_ids[-1]
             m = parent.metrics
+            m.first_scheduled_time = m.first_scheduled_time or req.first_scheduled_time
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
