@@ -1,0 +1,95 @@
+"""AsyncLLM: concurrent streams equal offline greedy outputs; cancellation frees the cache at once; bad input
+fails only its request; shutdown ends requests in flight."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm import AsyncLLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+ARGS = dict(max_model_len=256, dtype="float32")
+
+
+def prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+async def collect(engine: AsyncLLM, prompt, params, rid):
+    outs = [o async for o in engine.generate(prompt, params, rid)]
+    return outs
+
+
+def test_concurrent_streams_equal_offline_and_free_everything():
+    batch = prompts([5, 30, 1, 60])
+    offline = [o.outputs[0].token_ids for o in LLM(**ARGS).generate(batch, GREEDY, use_tqdm=False)]
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        results = await asyncio.gather(*(collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(batch)))
+        await engine.shutdown()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    for outs, expected in zip(results, offline):
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        assert lens == sorted(lens)  # cumulative
+    engine.engine.kv_cache_manager.assert_all_free()
+    assert engine.stats().generation_tokens_total == sum(map(len, offline))
+
+
+def test_cancel_mid_stream_aborts_and_frees():
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
+        got = 0
+        async for _ in engine.generate(prompts([8], seed=1)[0], params, "short"):
+            got += 1
+            if got == 3:
+                break  # like a client that disconnects
+        await asyncio.sleep(0.05)
+        assert "short" not in engine.engine.output_processor.parents
+        long_run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long_run
+        for _ in range(100):  # the abort lands at the next loop turn
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        engine.engine.kv_cache_manager.assert_all_free()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_bad_input_fails_only_its_request():
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        good = asyncio.create_task(collect(engine, prompts([6])[0], GREEDY, "good"))
+        with pytest.raises(ValueError, match="exceeds --max-model-len"):
+            await collect(engine, list(range(5, 250)), SamplingParams(max_tokens=50), "bad")
+        assert (await good)[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_aborts_in_flight_requests():
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        task = asyncio.create_task(collect(engine, prompts([6])[0], SamplingParams(max_tokens=240,
+                                                                                   ignore_eos=True), "x"))
+        await asyncio.sleep(0.2)
+        await engine.shutdown()
+        outs = await task
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        engine.engine.kv_cache_manager.assert_all_free()
+
+    asyncio.run(main())
