@@ -47,10 +47,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prefill_tokens
 

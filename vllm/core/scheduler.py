@@ -30,10 +30,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
 
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:

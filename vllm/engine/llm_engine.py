@@ -108,9 +108,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
-
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
