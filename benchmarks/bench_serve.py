@@ -35,7 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import metadata, write_json  # noqa: E402
+from bench_common import metadata, write_json
 
 
 def check_loopback(base_url: str) -> str:

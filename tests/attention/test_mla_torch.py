@@ -30,7 +30,8 @@ def test_absorbed_equals_unabsorbed_on_ragged_rows():
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=4, num_actual_tokens=T, max_query_len=5,
         max_seq_len=max(seq_lens), block_table=block_table, slot_mapping=torch.tensor(slot_mapping),
-        is_prefilling=torch.tensor([True, False, False, False]), state_indices=torch.zeros(4, dtype=torch.int32))
+        is_prefilling=torch.tensor([True, False, False, False]), state_indices=torch.zeros(4, dtype=torch.int32),
+        state_indices_cpu=torch.zeros(4, dtype=torch.int32))
     q = torch.randn(T, H, nope + rope, generator=gen)
     latent = torch.randn(T, L + rope, generator=gen)
     w_kvb = torch.randn(H * (nope + v), L, generator=gen) * L ** -0.5

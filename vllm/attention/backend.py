@@ -49,6 +49,7 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor  # device int64 [num_tokens]: latent-cache row per token, -1 for padding
     is_prefilling: torch.Tensor  # cpu bool [B]: request state (a prompt chunk), not the row's shape
     state_indices: torch.Tensor  # device int32 [B]: KDA recurrent-state slot per request
+    state_indices_cpu: torch.Tensor  # cpu int32 [B]: the same, for host-side loops (no device sync)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:

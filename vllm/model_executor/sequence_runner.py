@@ -72,6 +72,7 @@ class SequenceRunner:
                              for p in range(seq.num_computed, total)]
             seq_lens.append(total)
         qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        state_indices = torch.tensor([self.seqs[c.seq_id].slot for c in chunks], dtype=torch.int32)
         dev = self.device
         return CommonAttentionMetadata(
             query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl,
@@ -81,7 +82,7 @@ class SequenceRunner:
             max_seq_len=max(seq_lens), block_table=block_table.to(dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             is_prefilling=torch.tensor([c.prefill for c in chunks]),
-            state_indices=torch.tensor([self.seqs[c.seq_id].slot for c in chunks], dtype=torch.int32, device=dev))
+            state_indices=state_indices.to(dev), state_indices_cpu=state_indices)
 
     @torch.inference_mode()
     def step(self, chunks: list[SeqChunk], all_logits: bool = False) -> list[torch.Tensor]:

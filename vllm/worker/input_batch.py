@@ -80,4 +80,5 @@ class InputBatch:
             slot_mapping=self.slot_mapping.copy_to_device(T),
             is_prefilling=torch.tensor([s.is_prefilling for s in out.scheduled], dtype=torch.bool),
             state_indices=self.state_indices.copy_to_device(n_reqs),
+            state_indices_cpu=self.state_indices.cpu[:n_reqs],
         )

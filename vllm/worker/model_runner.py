@@ -83,7 +83,8 @@ class ModelRunner:
             seq_lens_cpu=torch.tensor([n], dtype=torch.int32), num_reqs=1, num_actual_tokens=n, max_query_len=n,
             max_seq_len=n, block_table=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
             slot_mapping=torch.arange(n, dtype=torch.int64, device=self.device),
-            is_prefilling=torch.tensor([True]), state_indices=torch.zeros(1, dtype=torch.int32, device=self.device))
+            is_prefilling=torch.tensor([True]), state_indices=torch.zeros(1, dtype=torch.int32, device=self.device),
+            state_indices_cpu=torch.zeros(1, dtype=torch.int32))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():

@@ -49,7 +49,7 @@ class TorchKDAMetadataBuilder(AttentionMetadataBuilder):
         n = common.num_reqs
         meta = TorchKDAMetadata(
             query_start_loc=common.query_start_loc_cpu[:n + 1].tolist(),
-            state_indices=common.state_indices[:n].tolist(),
+            state_indices=common.state_indices_cpu[:n].tolist(),
             has_initial_state=(common.num_computed_tokens_cpu[:n] > 0).tolist(),
             is_prefilling=common.is_prefilling[:n].tolist(),
         )
