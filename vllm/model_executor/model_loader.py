@@ -93,7 +93,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in tqdm(files, desc="Loading safetensors shards", disable=len(files) < 2):
+    for path in tqdm(files, desc="Loading safetensors shards"):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -5,10 +5,10 @@ import argparse
 import logging
 import sys
 
-from vllm.entrypoints.cli import generate
+from vllm.entrypoints.cli import generate, serve
 from vllm.version import __version__
 
-SUBCOMMANDS = {"generate": generate}
+SUBCOMMANDS = {"generate": generate, "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

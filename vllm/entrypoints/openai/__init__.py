@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server behind `vllm serve` (api_server.py builds the app)."""

@@ -1,0 +1,214 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
+
+Request bodies are read and parsed here rather than by FastAPI so that every client mistake (wrong content
+type, oversized or malformed body, bad field) becomes one OpenAI-shaped error with the right status.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from vllm.entrypoints.openai.metrics import Metrics
+from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest, validation_error)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import ServerSettings
+from vllm.version import __version__
+
+logger = logging.getLogger("vllm.entrypoints.openai")
+
+GRACEFUL_SHUTDOWN_S = 5  # in-flight requests are aborted at the signal; this bounds any straggler connection
+_DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body so the client sees the 413
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise APIError(400, f"Content-Type must be application/json, got {ctype!r}")
+    body = bytearray()
+    async for chunk in request.stream():  # a chunked body has no Content-Length: count as it arrives
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-request-body-bytes)")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+class Guard:
+    """ASGI middleware: API key on /v1/* and the body-size limit, answered before any route runs."""
+
+    def __init__(self, app, settings: ServerSettings) -> None:
+        self.app, self.settings = app, settings
+        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        error = self.check(scope) if scope["type"] == "http" else None
+        if error is None:
+            return await self.app(scope, receive, send)
+        if error.status == 413:  # a client still sending would get a reset instead of our answer
+            drained, more = 0, True
+            while more and drained < _DRAIN_LIMIT:
+                msg = await receive()
+                drained += len(msg.get("body", b""))
+                more = msg.get("more_body", False) and msg["type"] == "http.request"
+        await JSONResponse(error.body(), error.status)(scope, receive, send)
+
+    def check(self, scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if (self.expected is not None and scope["path"].startswith("/v1")
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
+            return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.settings.max_body_bytes:
+            return APIError(413, f"the request body ({int(length)} bytes) is over the limit of "
+                                 f"{self.settings.max_body_bytes} bytes (--max-request-body-bytes)")
+        return None
+
+
+def build_app(engine, settings: ServerSettings) -> FastAPI:
+    metrics = Metrics(engine, settings.served_model_names[0])
+    completion = OpenAIServingCompletion(engine, settings, metrics)
+    chat = OpenAIServingChat(engine, settings, metrics)
+    limit = settings.max_body_bytes
+    mc = engine.config.model_config
+
+    def begin_shutdown() -> asyncio.Task:
+        """In-flight requests end now (streams with an error event, others with 503) so shutdown is quick."""
+        completion.shutting_down = chat.shutting_down = True
+        if app.state.shutdown_task is None:
+            app.state.shutdown_task = asyncio.ensure_future(engine.shutdown())
+        return app.state.shutdown_task
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await begin_shutdown()
+
+    app = FastAPI(title="vllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.shutdown_task = None
+    app.state.begin_shutdown = begin_shutdown
+    app.add_middleware(Guard, settings=settings)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return await api_error(request, APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if completion.shutting_down else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": mc.model,
+             "max_model_len": mc.max_model_len} for name in settings.served_model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion.create(await parse_body(request, CompletionRequest, limit), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create(await parse_body(request, ChatCompletionRequest, limit), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = await parse_body(request, TokenizeRequest, limit)
+        completion.check_model(req.model)
+        ids = (engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+               if req.prompt is not None else chat.prompt_ids(req.messages, req.add_generation_prompt))
+        return {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = await parse_body(request, DetokenizeRequest, limit)
+        completion.check_model(req.model)
+        vocab = mc.hf_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens hold ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+class _Stop(Exception):
+    """Raised by our SIGTERM handler once uvicorn has shut down and re-raises the signal it caught."""
+
+
+def _raise_stop(sig, frame):
+    raise _Stop
+
+
+class Server(uvicorn.Server):
+    """uvicorn plus: a line once listening, and in-flight requests ended at the first SIGINT/SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, names: list[str]) -> None:
+        super().__init__(config)
+        self.app, self.names, self.loop = app, names, None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"vllm API server ready: serving {', '.join(self.names)} on http://{host}:{port}", flush=True)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None:  # signal handlers run between bytecodes: hand the work to the loop
+            self.loop.call_soon_threadsafe(self.app.state.begin_shutdown)
+
+
+def run_server(engine, settings: ServerSettings, host: str, port: int, log_level: str) -> int:
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = Server(config, app, settings.served_model_names)
+    # uvicorn re-raises the signal it caught after shutting down; turn that into a clean exit, not a kill.
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        server.run()
+    except (KeyboardInterrupt, _Stop):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,86 @@
+"""Prometheus metrics under upstream's names, in a registry per app (two servers in one process never collide).
+
+Gauges and token counters are read from `AsyncLLM.stats()` at scrape time, so they can never drift from the
+engine; latency histograms are observed by the serving code as outputs arrive.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.labels = engine, {"model_name": model_name}
+
+    def collect(self):
+        s = self.engine.stats()
+        gauges = [("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+                  ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                  ("vllm:kv_cache_usage_perc", "Fraction of MLA cache blocks in use (1 = full).", s.kv_cache_usage),
+                  ("vllm:state_slot_usage_perc", "Fraction of KDA state slots in use (1 = full).",
+                   s.state_slot_usage),
+                  ("vllm:num_free_blocks", "Free MLA cache blocks.", s.num_free_blocks),
+                  ("vllm:num_free_state_slots", "Free KDA recurrent-state slots.", s.num_free_slots)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+            g.add_metric(list(self.labels.values()), value)
+            yield g
+        for name, doc, value in [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+                                 ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)]:
+            c = CounterMetricFamily(name, doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        label = ["model_name"]
+
+        def hist(name, doc):
+            return Histogram(name, doc, label, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time from request arrival to its first token.")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between successive tokens of a request.")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Time from request arrival to its last output.")
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Latencies of one engine request, measured where the server sees its outputs."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics, self.start, self.last, self.tokens = metrics, time.monotonic(), None, 0
+
+    def update(self, num_tokens: int) -> None:
+        """`num_tokens`: the longest completion so far (n > 1 samples decode in lockstep)."""
+        new = num_tokens - self.tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            gap = (now - self.last) / new  # outputs can batch several tokens: spread the gap over them
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self.last, self.tokens = now, num_tokens
+
+    def finish(self, finish_reasons: list[str | None]) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        for reason in finish_reasons:
+            self.metrics.success.labels(self.metrics.model_name, reason or "abort").inc()

@@ -1,0 +1,187 @@
+"""OpenAI request bodies as pydantic models, and the error every endpoint answers with.
+
+Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, so a typo'd parameter is a 400 that
+names it rather than a silent default. The only unknown-to-us OpenAI field accepted and ignored is `user`
+(an end-user id for abuse tracking; it changes no output). Fields whose OpenAI meaning we cannot honour
+(`logit_bias`, `suffix`, `tools`, `response_format`, ...) are rejected as unknown.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed overflows above 64 bits; n > 1 adds the child index
+
+
+class APIError(Exception):
+    """A request that cannot be served: becomes {"error": {...}} with `status`."""
+
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+        413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 that names the field (as a dotted path) and what was wrong."""
+    err = e.errors(include_url=False)[0]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unknown field '{param}': this server does not accept it", param)
+    if err["type"] == "missing":
+        return APIError(400, f"field '{param}' is required", param)
+    msg = err["msg"].removeprefix("Value error, ")
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    if err["type"] != "value_error":
+        msg += f", got {got}"
+    return APIError(400, f"{param}: {msg}" if param else msg, param)
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions. None means "the default"."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, le=_SEED_MAX)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored (see module docstring)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            return v
+        raise ValueError(f"must be a string or a list of strings, got {v!r}")
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams validate ranges and raise ValueError naming the field (the server's 400)."""
+        optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                  "frequency_penalty", "repetition_penalty")}
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in optional.items() if v is not None})
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[str] | list[list[int]]:
+        """Always a list of prompts: strings or token-id lists (the four OpenAI shapes)."""
+        def is_ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        if isinstance(v, str) or (is_ids(v) and v):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty string, list of strings, list of token ids or list of "
+                             "token-id lists")
+        if not (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id "
+                             "lists (not a mix)")
+        return v
+
+
+class TextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        """Text only: a string or a list of {"type": "text", "text": ...} parts, joined."""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            try:
+                return "".join(TextPart.model_validate(p).text for p in v)
+            except ValidationError:
+                pass
+        raise ValueError("must be a string or a list of {\"type\": \"text\", \"text\": ...} parts (only text "
+                         "content is supported)")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _chat_fields(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
