@@ -4,6 +4,7 @@ Errors name the flag, the value and what is allowed, so `vllm serve` and `LLM(..
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,73 @@ class KernelConfig:
                  self.kda_prefill_backend, f"one of {', '.join(KDA_PREFILL_BACKENDS)}")
         _require(self.kda_decode_backend in KDA_DECODE_BACKENDS, "--kda-decode-backend", self.kda_decode_backend,
                  f"one of {', '.join(KDA_DECODE_BACKENDS)}")
+
+
+SPEC_METHODS_BUILT = ("ngram",)
+SPEC_METHODS_PLANNED = ("dspark",)
+SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+NGRAM_DEFAULT_PROMPT_LOOKUP_MIN = 1
+NGRAM_DEFAULT_PROMPT_LOOKUP_MAX = 4
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}'`.
+
+    ngram (prompt lookup): propose up to `num_speculative_tokens` tokens that followed an earlier occurrence of the
+    longest suffix n-gram with prompt_lookup_min <= n <= prompt_lookup_max. Defaults differ from upstream on purpose:
+    upstream sets min = max = 5 when both are absent and copies one into the other when only one is given; here an
+    absent prompt_lookup_min is 1 and an absent prompt_lookup_max is max(4, prompt_lookup_min), so short repeats
+    still draft. `dspark` is part of the flag's vocabulary but is rejected until it is built.
+    """
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        flag = "--speculative-config"
+        if self.method in SPEC_METHODS_PLANNED:
+            raise ValueError(f"{flag} method={self.method!r} is not built yet: only "
+                             f"{', '.join(map(repr, SPEC_METHODS_BUILT))} is available")
+        _require(self.method in SPEC_METHODS_BUILT, f"{flag} method", self.method,
+                 f"one of {', '.join(map(repr, SPEC_METHODS_BUILT))}")
+        _require(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
+                 f"{flag} num_speculative_tokens", self.num_speculative_tokens, "an integer >= 1")
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = NGRAM_DEFAULT_PROMPT_LOOKUP_MIN
+        _require(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+                 f"{flag} prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = max(NGRAM_DEFAULT_PROMPT_LOOKUP_MAX, self.prompt_lookup_min)
+        _require(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                 f"{flag} prompt_lookup_max", self.prompt_lookup_max,
+                 f"an integer >= prompt_lookup_min={self.prompt_lookup_min}")
+
+    @classmethod
+    def from_json(cls, text_or_dict: str | dict) -> SpeculativeConfig:
+        """Build from the `--speculative-config` JSON text or an already-parsed dict."""
+        flag = "--speculative-config"
+        if isinstance(text_or_dict, str):
+            try:
+                data = json.loads(text_or_dict)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag}={text_or_dict!r} is not valid JSON: {e}") from None
+        else:
+            data = text_or_dict
+        _require(isinstance(data, dict), flag, text_or_dict, 'a JSON object such as {"method": "ngram", '
+                 '"num_speculative_tokens": 3}')
+        _require("method" in data, flag, data, f"a 'method' key (one of {', '.join(map(repr, SPEC_METHODS_BUILT))})")
+        if data["method"] in SPEC_METHODS_PLANNED:  # say "not built yet" before complaining about its keys
+            cls(method=data["method"], num_speculative_tokens=1)
+        unknown = sorted(k for k in data if k not in SPEC_CONFIG_KEYS)
+        _require(not unknown, f"{flag} keys", unknown, f"only the keys {', '.join(SPEC_CONFIG_KEYS)}")
+        _require("num_speculative_tokens" in data, flag, data, "a 'num_speculative_tokens' key (an integer >= 1)")
+        return cls(**data)
 
 
 @dataclass(slots=True)
