@@ -89,6 +89,16 @@ def test_completion_logprobs_legacy_format(client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
 
+def test_echo_logprobs_offsets_index_the_text(client):
+    out = client.completions.create(model="kimi-tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, logprobs=1,
+                                    echo=True)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    assert lp.tokens[0] == "<bos>" and lp.token_logprobs[0] is None and lp.text_offset[:2] == [0, 0]
+    for token, offset in list(zip(lp.tokens, lp.text_offset))[1:]:  # the ASCII prompt: every token is in place
+        if offset < len(PROMPTS[0]):
+            assert text[offset:offset + len(token)] == token
+
+
 def test_stop_strings_and_stream_hold_back(client):
     whole = client.completions.create(model="kimi-tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
     text = whole.choices[0].text

@@ -103,7 +103,11 @@ class _Run:
         yield DONE
 
     def logprobs(self, ids: list[int], lps: list[dict[int, Logprob] | None], offset: int) -> dict:
-        """OpenAI's legacy format; a None row (the first prompt token has no logprob) stays None."""
+        """OpenAI's legacy format; a None row (the first prompt token has no logprob) stays None.
+
+        text_offset indexes the choice's text, which omits skipped special tokens (an echoed <bos>): those take
+        no room in it."""
+        skipped = set(self.tokenizer.all_special_ids) if self.req.skip_special_tokens else set()
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, row in zip(ids, lps):
             tok = row[tid].decoded_token if row else self.tokenizer.decode([tid])
@@ -111,6 +115,6 @@ class _Run:
             token_lps.append(row[tid].logprob if row else None)
             tops.append({lp.decoded_token: lp.logprob for lp in row.values()} if row else None)
             offsets.append(offset)
-            offset += len(tok)
+            offset += 0 if tid in skipped else len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
