@@ -37,6 +37,8 @@ class InputBatch:
         self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.state_indices = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.block_table = CpuGpuBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
+        self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
+        self.is_prefilling_np = self.is_prefilling.numpy()
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> CommonAttentionMetadata:
         """Writes the step's token ids, positions and cache indices; returns the step's common metadata."""
@@ -61,6 +63,7 @@ class InputBatch:
             blocks = kv.block_ids(s.request.request_id)
             self.block_table.np[r, :len(blocks)] = blocks
             self.state_indices.np[r] = kv.state_slot(s.request.request_id)
+            self.is_prefilling_np[r] = s.is_prefilling
         if kv.needs_blocks:
             block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
             self.slot_mapping.np[:T] = block_ids * bs + positions % bs
@@ -68,17 +71,16 @@ class InputBatch:
             self.slot_mapping.np[:T] = -1
         self.input_ids.copy_to_device(T)
         self.positions.copy_to_device(T)
-        max_query = max((s.num_tokens for s in out.scheduled), default=0)
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.copy_to_device(n_reqs + 1),
             query_start_loc_cpu=self.query_start_loc.cpu[:n_reqs + 1],
             seq_lens=self.seq_lens.copy_to_device(n_reqs),
             seq_lens_cpu=self.seq_lens.cpu[:n_reqs],
-            num_reqs=n_reqs, num_actual_tokens=T, max_query_len=max_query,
+            num_reqs=n_reqs, num_actual_tokens=T, max_query_len=int(lens.max()) if n_reqs else 0,
             max_seq_len=int(seq_lens[:n_reqs].max()) if n_reqs else 0,
             block_table=self.block_table.copy_to_device(n_reqs),
             slot_mapping=self.slot_mapping.copy_to_device(T),
-            is_prefilling=torch.tensor([s.is_prefilling for s in out.scheduled], dtype=torch.bool),
+            is_prefilling=self.is_prefilling[:n_reqs],
             state_indices=self.state_indices.copy_to_device(n_reqs),
             state_indices_cpu=self.state_indices.cpu[:n_reqs],
         )
