@@ -141,8 +141,7 @@ class AsyncLLM:
         pending, self._pending = self._pending, []
         for p in pending:
             try:
-                self.engine.add_request(p.request_id, p.prompt, p.params)
-                self.prompt_tokens_total += len(self.engine.output_processor.parents[p.request_id].prompt_token_ids)
+                self.prompt_tokens_total += self.engine.add_request(p.request_id, p.prompt, p.params)
             except Exception as e:  # bad input: only this request fails
                 p.queue.put_nowait(e)
         aborts, self._aborts = self._aborts, []

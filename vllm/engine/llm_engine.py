@@ -68,7 +68,8 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> int:
+        """Queues the request (n children for n > 1); returns its number of prompt tokens."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
@@ -94,6 +95,7 @@ class LLMEngine:
         self.output_processor.add(request_id, text, children, params)
         for c in children:
             self.scheduler.add_request(c)
+        return len(ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
