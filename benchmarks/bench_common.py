@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
+    if os.environ.get("VLLM_GIT_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["VLLM_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              check=True).stdout.strip()

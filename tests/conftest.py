@@ -1,8 +1,18 @@
 """Shared fixtures: tiny checkpoints written to tmp dirs, and skipping of GPU tests without CUDA."""
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Our own Triton kernels run on the CPU through Triton's interpreter (fla-core's cannot: GPU tests only).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    import triton_interpreter_fixes
+    triton_interpreter_fixes.apply()
 
 from vllm.tools.make_tiny_model import write_tiny_model
 

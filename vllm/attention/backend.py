@@ -79,13 +79,29 @@ class AttentionMetadataBuilder(ABC):
         """Backend metadata for one step."""
 
 
+@dataclass(frozen=True, slots=True)
+class LayerShapes:
+    """The model shapes a kernel may be limited to (FlashKDA: K=V=128, bounded gate; FlashInfer: head counts)."""
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_gate_bounded: bool = False
+    ssm_state_dtype: torch.dtype = torch.float32
+    mla_num_heads: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    block_size: int = 0
+
+
 class AttentionBackend(ABC):
     """A named kernel family for one kind of attention (MLA, KDA prefill, KDA decode)."""
     name: ClassVar[str]
 
     @classmethod
-    def supports(cls, device: torch.device, dtype: torch.dtype) -> str | None:
-        """None when this backend runs here, else the reason it cannot (naming what it needs)."""
+    def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
+        """None when this backend runs here, else the reason it cannot (naming what it needs and what is here).
+
+        `shapes` None asks about the device and dtype only.
+        """
         return None
 
     @classmethod
@@ -96,8 +112,8 @@ class AttentionBackend(ABC):
 
 @dataclass(slots=True)
 class HybridBackends:
-    """The backends of a hybrid model: one for its KDA layers, one for its MLA layers."""
-    kda: type[AttentionBackend]
+    """The backends of a hybrid model: a prefill/decode pair for its KDA layers, one for its MLA layers."""
+    kda: Any  # KDAAttention (attention/kda/metadata.py)
     mla: type[AttentionBackend]
 
 

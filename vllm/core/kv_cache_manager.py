@@ -9,6 +9,11 @@ from vllm.core.block_pool import BlockPool
 from vllm.core.request import Request
 
 
+# Slot 0 of every state pool belongs to nobody: padding rows point at it, and FlashInfer's KDA kernels read
+# slot 0 as "no state". Requests get slots 1..num_state_slots-1.
+NULL_STATE_SLOT = 0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, needs_blocks: bool,
                  needs_slots: bool) -> None:
@@ -16,7 +21,7 @@ class KVCacheManager:
         self.needs_blocks, self.needs_slots = needs_blocks, needs_slots
         self.block_pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
-        self.free_slots: list[int] = list(range(num_state_slots))[::-1]
+        self.free_slots: list[int] = list(range(NULL_STATE_SLOT + 1, num_state_slots))[::-1]
         self.req_blocks: dict[str, list[int]] = {}
         self.req_slot: dict[str, int] = {}
 
@@ -51,18 +56,20 @@ class KVCacheManager:
         return self.req_blocks.get(request_id, [])
 
     def state_slot(self, request_id: str) -> int:
-        return self.req_slot.get(request_id, 0)
+        return self.req_slot.get(request_id, NULL_STATE_SLOT)
 
     @property
     def usage(self) -> tuple[float, float]:
         """Fraction of blocks and of state slots in use."""
         pool = self.block_pool
         blocks = 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
-        slots = 1.0 - len(self.free_slots) / self.num_state_slots if self.num_state_slots else 0.0
+        usable = self.num_state_slots - 1
+        slots = 1.0 - len(self.free_slots) / usable if usable > 0 else 0.0
         return blocks, slots
 
     def assert_all_free(self) -> None:
         assert not self.req_blocks and not self.req_slot, (
             f"leaked: blocks held by {sorted(self.req_blocks)}, slots held by {sorted(self.req_slot)}")
         assert self.block_pool.num_free == self.block_pool.num_blocks, "block pool is missing blocks"
-        assert sorted(self.free_slots) == list(range(self.num_state_slots)), "state slot pool is missing slots"
+        assert sorted(self.free_slots) == list(range(NULL_STATE_SLOT + 1, self.num_state_slots)), (
+            "state slot pool is missing slots")

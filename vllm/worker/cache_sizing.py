@@ -54,8 +54,9 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
     budget = cache_budget(config, activation_peak_bytes)
     slots = 0
     if slot_bytes:
-        slots = min(sc.max_num_seqs, max(budget // 2, 0) // slot_bytes)
-        if slots < 1:
+        # +1: the null slot (kv_cache_manager.NULL_STATE_SLOT), which padding rows point at.
+        slots = min(sc.max_num_seqs + 1, max(budget // 2, 0) // slot_bytes)
+        if slots < 2:
             raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's KDA state "
                              f"({slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
                              "--kv-cache-memory-bytes, or use --mamba-ssm-cache-dtype bfloat16")

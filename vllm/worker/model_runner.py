@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.attention.backend import CommonAttentionMetadata, HybridAttentionMetadata
+from vllm.attention.backend import CommonAttentionMetadata, HybridAttentionMetadata, LayerShapes
 from vllm.attention.selector import select_backends
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_manager import KVCacheManager
@@ -42,7 +42,15 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         # Decays of long prompts underflow into denormals, which are ~100x slower on CPUs; flush them to zero.
         torch.set_flush_denormal(True)
-        backends = select_backends(config.kernel_config, self.device, self.dtype)
+        hf, cc = mc.hf_config, config.cache_config
+        shapes = LayerShapes(kda_num_heads=hf.kda_num_heads, kda_head_dim=hf.kda_head_dim,
+                             kda_gate_bounded=hf.gate_lower_bound is not None,
+                             ssm_state_dtype=cc.mamba_ssm_cache_dtype, mla_num_heads=hf.num_attention_heads,
+                             kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim,
+                             block_size=cc.block_size)
+        backends = select_backends(config.kernel_config, self.device, self.dtype, shapes)
+        logger.info("attention backends: MLA %s, KDA prefill %s, KDA decode %s", backends.mla.name,
+                    backends.kda.prefill.name, backends.kda.decode.name)
         self.model = load_model(mc.model, self.dtype, self.device, backends, mc.hf_config)
         self.hf_config = mc.hf_config
         self.block_size = config.cache_config.block_size

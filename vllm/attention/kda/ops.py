@@ -10,9 +10,14 @@ import torch.nn.functional as F
 SOFTPLUS_LINEAR_ABOVE = 20.0  # softplus(x) is taken as x above this, as the published kernels do
 
 
+def acc(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: float32, or float64 when a test asks for a float64 reference."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # sqrt(sum + eps), not F.normalize's max(norm, eps): the published kernels do this.
-    x = x.float()
+    x = acc(x)
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -22,8 +27,8 @@ def kda_gate(raw_gate: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
 
     Kimi-Linear: g = -exp(A_log) * softplus(f + dt_bias).  K3 (bounded): g = lb * sigmoid(exp(A_log) * (f + dt_bias)).
     """
-    s = (raw_gate.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
-    a = A_log.float().exp()[:, None]
+    s = (acc(raw_gate) + acc(dt_bias)).unflatten(-1, (-1, head_dim))
+    a = acc(A_log).exp()[:, None]
     if lower_bound is None:
         softplus = torch.where(s > SOFTPLUS_LINEAR_ABOVE, s, F.softplus(s))
         return -a * softplus
@@ -40,8 +45,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     width = weight.shape[-1]
     if conv_state is None:
         conv_state = x.new_zeros(x.shape[1], width - 1)
-    full = torch.cat([conv_state.to(x.dtype).t(), x], dim=0).float()
-    out = (full.unfold(0, width, 1) * weight.float()).sum(-1)
+    full = acc(torch.cat([conv_state.to(x.dtype).t(), x], dim=0))
+    out = (full.unfold(0, width, 1) * acc(weight)).sum(-1)
     return out, full[full.shape[0] - (width - 1):].t()
 
 
@@ -54,8 +59,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     If `checkpoints` [T, H, V, K] is given, the state after token t is also written to checkpoints[t]
     (the speculative-decoding layout). Returns o [T, H, V] and the final state, float32.
     """
-    S = state.float()
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+    S = acc(state)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S.dtype)
     for t in range(q.shape[0]):
         S = S * g[t].exp()[:, None, :]
         c = beta[t, :, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
@@ -74,8 +79,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     system (I + A) U = beta * (V - (K * e^G) S0^T), with A[t, s] = beta_t sum_c k_tc k_sc e^(G_tc - G_sc), s < t.
     Then o = (Q * e^G) S0^T + Mask_incl(Q K^T-decayed) U and S_C = S0 e^(G_C) + sum_s u_s (k_s e^(G_C - G_s))^T.
     """
-    q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # heads first
-    S = state.float()
+    q, k, v, g, beta = (acc(x).transpose(0, 1) for x in (q, k, v, g, beta))  # heads first
+    S = acc(state)
     T = q.shape[1]
     out = torch.empty_like(v)
     for start in range(0, T, chunk_size):
@@ -89,7 +94,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         kk = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay)
         A = (bc[:, :, None] * kk).tril(-1)
         rhs = bc[..., None] * (vc - torch.einsum("htk,hvk->htv", kc * G.exp(), S))
-        eye = torch.eye(C, device=q.device)
+        eye = torch.eye(C, device=q.device, dtype=S.dtype)
         U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
         qk = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)
         out[:, sl] = torch.einsum("htk,hvk->htv", qc * G.exp(), S) + qk @ U

@@ -1,0 +1,90 @@
+"""KDA prefill per backend: one prompt of T = 512..16384 tokens at 32 and 96 heads (K=V=128, bf16).
+
+Each backend runs its whole prefill (conv, chunked KDA with the initial state gathered from the pool and the
+final state scattered back, gated RMSNorm). The peer is fla-core's `chunk_kda` alone (in-kernel gate, l2norm,
+beta sigmoid, fp32 initial state, final state out), measured in the same run. Eager calls timed with CUDA
+events, medians of many.
+
+    python benchmarks/kernels/bench_kda_prefill.py --out benchmarks/results/gpu/kda_prefill.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_common import metadata, write_json  # noqa: E402
+from bench_kda_decode import K, W, make_layer  # noqa: E402
+from timing import time_graph  # noqa: E402
+
+from vllm.attention.backend import LayerShapes  # noqa: E402
+from vllm.attention.kda.metadata import KDARows  # noqa: E402
+from vllm.attention.selector import backend_reason, load_backend  # noqa: E402
+
+
+def make_prompt(H: int, T: int, act=torch.bfloat16):
+    P = H * K
+    qsl = torch.tensor([0, T], dtype=torch.int32)
+    rows = KDARows(query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl,
+                   state_indices=torch.tensor([1], dtype=torch.int32, device="cuda"),
+                   state_indices_cpu=torch.tensor([1], dtype=torch.int32),
+                   has_initial_state=torch.zeros(1, dtype=torch.bool, device="cuda"),
+                   has_initial_state_cpu=torch.zeros(1, dtype=torch.bool), num_reqs=1, num_tokens=T, max_query_len=T)
+    inputs = (torch.randn(T, 3 * P, device="cuda", dtype=act), torch.randn(T, P, device="cuda", dtype=act),
+              torch.randn(T, H, device="cuda", dtype=act), torch.randn(T, P, device="cuda", dtype=act))
+    conv = torch.randn(2, 3 * P, W - 1, device="cuda", dtype=act)
+    ssm = torch.zeros(2, H, K, K, device="cuda")
+    return rows, inputs, conv, ssm
+
+
+def fla_chunk_only(layer, rows, inputs):
+    from fla.ops.kda import chunk_kda
+    T, H = rows.num_tokens, layer.num_heads
+    q, k, v = (x.contiguous().view(1, T, H, K) for x in inputs[0].chunk(3, dim=-1))
+    g, beta = inputs[1].view(1, T, H, K), inputs[2].view(1, T, H)
+    h0 = torch.zeros(1, H, K, K, device="cuda")
+    cu, cu_cpu = rows.query_start_loc.long(), rows.query_start_loc_cpu.long()
+    return lambda: chunk_kda(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             safe_gate=True, lower_bound=layer.gate_lower_bound, state_v_first=True, cu_seqlens=cu,
+                             cu_seqlens_cpu=cu_cpu, A_log=layer.A_log, dt_bias=layer.dt_bias)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--heads", default="32,96")
+    ap.add_argument("--lengths", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--backends", default="triton,flashkda,flashinfer")
+    ap.add_argument("--out", default="benchmarks/results/gpu/kda_prefill.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results, skipped = [], {}
+    for H in map(int, args.heads.split(",")):
+        layer = make_layer(H)
+        shapes = LayerShapes(kda_num_heads=H, kda_head_dim=K, kda_gate_bounded=True, ssm_state_dtype=torch.float32)
+        for T in map(int, args.lengths.split(",")):
+            rows, inputs, conv, ssm = make_prompt(H, T)
+            runs = {"fla_chunk_kda_only": fla_chunk_only(layer, rows, inputs)}
+            for name in args.backends.split(","):
+                reason = backend_reason("--kda-prefill-backend", name, torch.device("cuda"), torch.bfloat16, shapes)
+                if reason is not None:
+                    skipped[name] = reason
+                    continue
+                backend = load_backend("--kda-prefill-backend", name)
+                runs[name] = functools.partial(backend.forward_prefill, layer, *inputs, conv, ssm, rows)
+            for name, fn in runs.items():
+                t = time_graph(fn, reps=20, calls_per_rep=5, graph=False)
+                results.append({"backend": name, "heads": H, "tokens": T, "ms": {k: v / 1e3 if k != "n" else v
+                                                                                  for k, v in t.items()}})
+                print(f"H={H:3} T={T:6} {name:20} {t['median'] / 1e3:8.3f} ms", flush=True)
+    write_json(args.out, {"meta": metadata("cuda"), "skipped": skipped, "results": results})
+
+
+if __name__ == "__main__":
+    main()

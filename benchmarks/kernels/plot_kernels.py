@@ -1,0 +1,64 @@
+"""PNG plots of the kernel benchmark JSONs (run where matplotlib is installed; the GPU machine lacks it).
+
+    python benchmarks/kernels/plot_kernels.py benchmarks/results/gpu/kda_decode.json ...
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _panels(results, panel_keys, x_key, y_of, series_key="backend"):
+    panels = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        panels[tuple(r[k] for k in panel_keys)][r[series_key]].append((r[x_key], y_of(r)))
+    return panels
+
+
+def plot(path: Path) -> Path:
+    data = json.loads(path.read_text())
+    res = data["results"]
+    if "kda_decode" in path.name:
+        panels = _panels(res, ("state_dtype", "heads"), "batch", lambda r: r["pct_copy_bw"])
+        xlabel, ylabel, logx = "batch (requests)", "% of copy bandwidth (state r+w)", True
+    elif "kda_prefill" in path.name:
+        panels = _panels(res, ("heads",), "tokens", lambda r: r["ms"]["median"])
+        xlabel, ylabel, logx = "prompt tokens", "ms (median)", True
+    else:
+        panels = _panels([r for r in res if r["heads"] == res[0]["heads"]], ("query_len", "batch"), "context",
+                         lambda r: r["pct_copy_bw"])
+        xlabel, ylabel, logx = "context tokens", "% of copy bandwidth (latent cache read)", True
+    keys = sorted(panels)
+    cols = min(4, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for name, pts in sorted(panels[key].items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_title(", ".join(map(str, key)))
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{path.stem} on {data['meta']['device_name']} ({data['meta']['git_commit'][:10]})")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=90)
+    return out
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(plot(Path(arg)))

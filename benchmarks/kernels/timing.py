@@ -1,0 +1,51 @@
+"""GPU timing for kernel benchmarks: CUDA-graph replays timed with events, medians of many; copy bandwidth."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench_common
+
+from bench_common import stats  # noqa: E402
+
+
+def time_graph(fn: Callable[[], object], reps: int = 30, calls_per_rep: int = 20, graph: bool = True) -> dict:
+    """Per-call microseconds of fn: `reps` timings of `calls_per_rep` back-to-back calls (in one CUDA graph)."""
+    for _ in range(3):
+        fn()  # warm-up: Triton autotuning and compilation happen here, outside the graph
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(calls_per_rep):
+                    fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = g.replay
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph:
+            run()
+        else:
+            for _ in range(calls_per_rep):
+                run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
+    return stats(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, read + write bytes counted (the roofline the targets refer to)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), reps=20, calls_per_rep=5)["median"]
+    return 2 * nbytes / (us * 1e-6) / 1e9

@@ -1,0 +1,134 @@
+"""Every KDA backend against the torch reference through the engine's interface (KDAAttention + builder).
+
+GPU tests: decode groups of one-token rows (the graph path) and ragged 1..4-token rows at scattered slots,
+prefill with and without initial states, mixed steps, fp32 and bf16 state, both gate forms, and hard inputs
+(near-collinear keys, gates at the bound and near zero, 16K-token prompts, large states). A backend this
+device cannot run is skipped with its own reason.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_harness import Row, compare_to_reference, random_inputs, random_layer, random_pools
+from vllm.attention.kda.metadata import KDAAttention
+from vllm.attention.kda.torch_ref import TorchKDABackend
+from vllm.attention.selector import backend_reason, load_backend
+
+W, K = 4, 128
+DECODE = ["native", "triton", "flashinfer"]
+PREFILL = ["triton", "flashkda", "flashinfer"]
+# Bounds on relative error norms. fla's chunk_kda multiplies in TF32 even for fp32 inputs.
+BOUND = {(torch.float32, torch.float32): 2e-3, (torch.float32, torch.bfloat16): 1e-2,
+         (torch.bfloat16, torch.float32): 2e-2, (torch.bfloat16, torch.bfloat16): 3e-2}
+
+
+def _backend(flag: str, name: str, dtype: torch.dtype, H: int, bounded: bool, state_dtype: torch.dtype):
+    from vllm.attention.backend import LayerShapes
+    shapes = LayerShapes(kda_num_heads=H, kda_head_dim=K, kda_gate_bounded=bounded, ssm_state_dtype=state_dtype)
+    reason = backend_reason(flag, name, torch.device("cuda"), dtype, shapes)
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    return load_backend(flag, name)
+
+
+DECODE_ROWS = [Row(1, 37, False, 5), Row(1, 3, False, 8), Row(1, 900, False, 11), Row(1, 12, False, 2)]
+RAGGED_ROWS = [Row(2, 37, False, 5), Row(1, 3, False, 8), Row(4, 900, False, 11), Row(3, 12, False, 2)]
+PREFILL_ROWS = [Row(70, 0, True, 3), Row(129, 64, True, 9), Row(1, 0, True, 6), Row(33, 200, True, 1)]
+MIXED_ROWS = [Row(1, 40, False, 4), Row(50, 0, True, 8), Row(3, 17, False, 10), Row(64, 128, True, 7)]
+
+
+def _case(H, act_dtype, state_dtype, lower_bound, seed, slots=12, T=None, gate_shift=0.0, state_scale=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    layer = random_layer(H, K, W, lower_bound, "cuda", gen)
+    pools = random_pools(layer, slots, W, act_dtype, state_dtype, "cuda", gen, state_scale)
+    return layer, pools, gen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DECODE)
+@pytest.mark.parametrize("rows", [DECODE_ROWS, RAGGED_ROWS], ids=["one_token", "ragged"])
+@pytest.mark.parametrize("act_dtype,state_dtype", list(BOUND))
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_decode_backend_matches_reference(name, rows, act_dtype, state_dtype, lower_bound):
+    H = 4
+    decode = _backend("--kda-decode-backend", name, act_dtype, H, lower_bound is not None, state_dtype)
+    layer, pools, gen = _case(H, act_dtype, state_dtype, lower_bound, seed=1)
+    inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act_dtype, "cuda", gen)
+    compare_to_reference(KDAAttention(TorchKDABackend, decode), layer, inputs, pools, rows, "cuda",
+                         BOUND[act_dtype, state_dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PREFILL)
+@pytest.mark.parametrize("rows", [PREFILL_ROWS, MIXED_ROWS], ids=["prefill", "mixed"])
+@pytest.mark.parametrize("act_dtype,state_dtype", list(BOUND))
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_prefill_backend_matches_reference(name, rows, act_dtype, state_dtype, lower_bound):
+    H = 4
+    prefill = _backend("--kda-prefill-backend", name, act_dtype, H, lower_bound is not None, state_dtype)
+    layer, pools, gen = _case(H, act_dtype, state_dtype, lower_bound, seed=2)
+    inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act_dtype, "cuda", gen)
+    compare_to_reference(KDAAttention(prefill, TorchKDABackend), layer, inputs, pools, rows, "cuda",
+                         BOUND[act_dtype, state_dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_name,decode_name", [("triton", "native"), ("triton", "triton")])
+def test_mixed_step_with_both_fast_backends(prefill_name, decode_name):
+    H, act, state = 8, torch.bfloat16, torch.bfloat16
+    prefill = _backend("--kda-prefill-backend", prefill_name, act, H, True, state)
+    decode = _backend("--kda-decode-backend", decode_name, act, H, True, state)
+    layer, pools, gen = _case(H, act, state, -5.0, seed=3)
+    inputs = random_inputs(layer, sum(r.num_tokens for r in MIXED_ROWS), act, "cuda", gen)
+    compare_to_reference(KDAAttention(prefill, decode), layer, inputs, pools, MIXED_ROWS, "cuda", BOUND[act, state])
+
+
+def _collinear(inputs, layer, eps=1e-3):
+    """Every token's key channels the same vector plus eps noise: the delta rule's hardest conditioning."""
+    mixed = inputs[0].clone()
+    P = layer.num_heads * layer.head_dim
+    base = torch.randn(1, P, device=mixed.device, dtype=torch.float32)
+    mixed[:, P:2 * P] = (base + eps * torch.randn_like(mixed[:, P:2 * P].float())).to(mixed.dtype)
+    return (mixed, *inputs[1:])
+
+
+HARD = {
+    "collinear_keys": dict(transform=_collinear),
+    "gate_at_lower_bound": dict(gate_shift=30.0),
+    "gate_near_zero": dict(gate_shift=-30.0),
+    "large_initial_state": dict(state_scale=100.0),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flag,name", [("--kda-decode-backend", n) for n in DECODE]
+                         + [("--kda-prefill-backend", n) for n in PREFILL])
+@pytest.mark.parametrize("case", list(HARD))
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_hard_inputs_stay_finite_and_accurate(flag, name, case, lower_bound):
+    H, act, state = 4, torch.float32, torch.float32
+    backend = _backend(flag, name, act, H, lower_bound is not None, state)
+    spec = HARD[case]
+    layer, pools, gen = _case(H, act, state, lower_bound, seed=4, state_scale=spec.get("state_scale", 0.3))
+    rows = RAGGED_ROWS if flag == "--kda-decode-backend" else PREFILL_ROWS
+    inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act, "cuda", gen, spec.get("gate_shift", 0.0))
+    if "transform" in spec:
+        inputs = spec["transform"](inputs, layer)
+    attn = KDAAttention(TorchKDABackend, backend) if flag == "--kda-decode-backend" else KDAAttention(
+        backend, TorchKDABackend)
+    compare_to_reference(attn, layer, inputs, pools, rows, "cuda", 5e-3, ref_dtype=torch.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PREFILL)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_long_prompt_prefill(name, state_dtype):
+    """A 16K-token prompt (plus a continued chunk) against a float64 reference."""
+    H, act = 4, torch.bfloat16
+    prefill = _backend("--kda-prefill-backend", name, act, H, True, state_dtype)
+    layer, pools, gen = _case(H, act, state_dtype, -5.0, seed=5)
+    rows = [Row(16384, 0, True, 3), Row(700, 1000, True, 8)]
+    inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act, "cuda", gen)
+    compare_to_reference(KDAAttention(prefill, TorchKDABackend), layer, inputs, pools, rows, "cuda", 3e-2,
+                         ref_dtype=torch.float64)

@@ -1,0 +1,41 @@
+"""The Triton ragged causal conv + SiLU equals the torch reference conv, and updates the state pool like it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.attention.kda.ops import causal_conv1d
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_conv_matches_reference(device, dtype):
+    pytest.importorskip("triton")
+    from vllm.attention.kda.conv import causal_conv1d_silu
+    gen = torch.Generator().manual_seed(0)
+    C, W, slots = 48, 4, 9
+    # A fresh prompt, a continued chunk, decode rows of 1 and 2 tokens (shorter than W-1: history shifts),
+    # a zero-length padding row and a row whose slot is -1.
+    lens = [7, 5, 1, 2, 0, 3]
+    slot_ids = [4, 0, 7, 2, 5, -1]
+    has_init = [False, True, True, True, True, True]
+    T = sum(lens)
+    x = torch.randn(T, C, generator=gen).to(dtype)
+    weight = torch.randn(C, W, generator=gen)
+    state = torch.randn(slots, C, W - 1, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    x, weight, state, qsl = (t.to(device) for t in (x, weight, state, qsl))
+    ref_state = state.clone()
+    y = causal_conv1d_silu(x, weight, state, qsl, torch.tensor(slot_ids, dtype=torch.int32, device=device),
+                           torch.tensor(has_init, device=device), max_query_len=max(lens))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for r, (n, slot, init) in enumerate(zip(lens, slot_ids, has_init)):
+        s = int(qsl[r])
+        if n == 0 or slot < 0:
+            continue
+        out, new_state = causal_conv1d(x[s:s + n], weight, ref_state[slot] if init else None)
+        torch.testing.assert_close(y[s:s + n].float(), torch.nn.functional.silu(out), **tol)
+        ref_state[slot] = new_state.to(dtype)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=0)  # untouched slots stay exactly as they were

@@ -1,0 +1,91 @@
+"""Triton depthwise causal conv + SiLU over ragged rows, continuing from and updating a conv-state pool.
+
+Used by KDA backends whose library has no conv in our state layout (fla-core keeps [N, C, W] states;
+ours are the last W-1 inputs, [slots, C, W-1]). Two launches, because every program of a row reads the old
+state before any program may overwrite it: `conv` reads x and old states, then `update_state` shifts the
+row's last W-1 inputs into its slot. Row lengths come from the device offsets; max_query_len only sizes
+the grid, so both launches are graph-safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C, stride_x, stride_slot,
+                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(qsl_ptr + r)
+    length = tl.load(qsl_ptr + r + 1) - start
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    if (t0 >= length) | (slot < 0):
+        return
+    has_init = tl.load(init_ptr + r) != 0
+    t = t0 + tl.arange(0, BLOCK_T)
+    c_ok = c < C
+    t_ok = t < length
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for w in tl.static_range(W):
+        j = t - (W - 1) + w  # the row-local input this tap reads; negative means the cached history
+        from_x = tl.load(x_ptr + (start + j)[:, None].to(tl.int64) * stride_x + c[None, :],
+                         mask=(j >= 0)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        hist = tl.load(state_ptr + slot * stride_slot + c[None, :] * (W - 1) + (W - 1 + j)[:, None],
+                       mask=((j < 0) & has_init)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + c * W + w, mask=c_ok, other=0.0).to(tl.float32)
+        acc += (from_x + hist) * wt[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, stride_x, stride_slot,
+                         W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(qsl_ptr + r)
+    length = tl.load(qsl_ptr + r + 1) - start
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    if (length == 0) | (slot < 0):
+        return
+    has_init = tl.load(init_ptr + r) != 0
+    c_ok = c < C
+    i = tl.arange(0, WP)
+    j = length - (W - 1) + i  # new column i holds row-local input j, or an older history column if j < 0
+    ok = c_ok[:, None] & (i < W - 1)[None, :]
+    cols = state_ptr + slot * stride_slot + c[:, None] * (W - 1)
+    from_x = tl.load(x_ptr + (start + j)[None, :].to(tl.int64) * stride_x + c[:, None],
+                     mask=ok & (j >= 0)[None, :], other=0.0)
+    hist = tl.load(cols + (W - 1 + j)[None, :], mask=ok & ((j < 0) & has_init)[None, :], other=0.0)
+    new = tl.where((j >= 0)[None, :], from_x.to(tl.float32), hist.to(tl.float32))
+    tl.debug_barrier()  # a short row shifts its history in place: every read lands before any write
+    tl.store(cols + i[None, :], new.to(state_ptr.dtype.element_ty), mask=ok)
+
+
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                       query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+                       has_initial_state: torch.Tensor, max_query_len: int) -> torch.Tensor:
+    """x [T, C] (rows by query_start_loc [N+1]); weight [C, W]; conv_state [slots, C, W-1], updated in place.
+
+    Returns SiLU(conv(x)) [T, C] in x's dtype. Rows with no tokens or a negative slot are skipped.
+    """
+    T, C = x.shape
+    W = weight.shape[1]
+    N = state_indices.shape[0]
+    assert x.stride(1) == 1 and conv_state.stride(2) == 1 and conv_state.stride(1) == W - 1
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if N == 0 or T == 0:
+        return y
+    init = has_initial_state.to(torch.int8)
+    block_t = min(64, triton.next_power_of_2(max(max_query_len, 1)))
+    grid = (N, triton.cdiv(max(max_query_len, 1), block_t), triton.cdiv(C, 128))
+    _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C, x.stride(0),
+                       conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=128)
+    _update_state_kernel[(N, triton.cdiv(C, 256))](x, conv_state, query_start_loc, state_indices, init, C,
+                                                   x.stride(0), conv_state.stride(0), W=W, WP=triton.next_power_of_2(W - 1),
+                                                   BLOCK_C=256)
+    return y

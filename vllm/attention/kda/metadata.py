@@ -1,0 +1,170 @@
+"""KDA metadata: one step's requests split into a decode group and a prefill group, each run by its backend.
+
+Decode rows (requests past their prompt, 1..K+1 tokens each) and prompt chunks run different kernels, chosen
+separately (`--kda-decode-backend`, `--kda-prefill-backend`). A step whose rows are all decodes — the
+common case, and the only one a decode CUDA graph replays — passes the runner's device tensors straight to
+the decode kernel (no host work, no gather). A mixed step gathers each group's tokens with index tensors
+made on the host; such a step contains a prefill and never replays a decode graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
+                                    CommonAttentionMetadata, QueryLenSupport)
+
+
+class KDAWeights(Protocol):
+    """What a KDA backend reads from the layer (see models/kimi_k3/kda.py)."""
+    num_heads: int
+    head_dim: int
+    gate_lower_bound: float | None
+    conv_weight: torch.Tensor  # [3P, W], q/k/v channels stacked
+    A_log: torch.Tensor  # [H] float32
+    dt_bias: torch.Tensor  # [P] float32
+    o_norm: Any  # RMSNormGated: .weight [K], .eps, called as o_norm(x, gate)
+
+
+@dataclass(slots=True)
+class KDARows:
+    """A group of requests one KDA kernel runs, over the group's own tokens (gathered if needed)."""
+    query_start_loc: torch.Tensor  # device int32 [N+1] over the group's tokens (cum_seq_lens_q)
+    query_start_loc_cpu: torch.Tensor  # cpu int32 [N+1]
+    state_indices: torch.Tensor  # device int32 [N]: state slot per request
+    state_indices_cpu: torch.Tensor
+    has_initial_state: torch.Tensor  # device bool [N]: False for a fresh prompt (zero history)
+    has_initial_state_cpu: torch.Tensor
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int  # a promised bound, not re-measured
+    token_idx: torch.Tensor | None = None  # device long [num_tokens]: positions in the step; None = all, in order
+
+
+@dataclass(slots=True)
+class KDAMetadata:
+    decode: KDARows | None
+    prefill: KDARows | None
+    num_tokens: int
+
+
+class KDABackend(AttentionBackend):
+    """A KDA kernel family. It runs decode rows, prefill rows or both.
+
+    Both entry points take the group's tokens only — mixed_qkv [T, 3P] (pre-conv), raw_gate [T, P],
+    raw_beta [T, H], output_gate [T, P] — update conv_state [slots, 3P, W-1] and ssm_state [slots, H, V, K]
+    in place, and return the gated-normalised core output [T, P] in the activation dtype.
+    """
+    runs_prefill: ClassVar[bool] = False
+    runs_decode: ClassVar[bool] = False
+    # Which decode batches its decode path can replay in a CUDA graph (prefill rows are never captured).
+    decode_cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def builder(cls, block_size: int) -> AttentionMetadataBuilder:
+        raise TypeError(f"{cls.name} is one half of a KDA pair; build metadata with KDAAttention")
+
+    @classmethod
+    def forward_decode(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
+                       raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
+                       ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+        raise NotImplementedError(f"{cls.name} has no decode path")
+
+    @classmethod
+    def forward_prefill(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
+                        raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
+                        ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+        raise NotImplementedError(f"{cls.name} has no prefill path")
+
+
+class KDAMetadataBuilder(AttentionMetadataBuilder):
+    query_len_support = QueryLenSupport.VARLEN
+
+    def __init__(self, decode_support: AttentionCGSupport) -> None:
+        # Graphs hold decode steps only, so the decode backend's support is the pair's.
+        self.cudagraph_support = decode_support
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return True  # an all-decode step reads the device offsets; a mixed step is never a graph replay
+
+    def build(self, common: CommonAttentionMetadata) -> KDAMetadata:
+        n, T = common.num_reqs, common.num_actual_tokens
+        prefilling = common.is_prefilling[:n].numpy()
+        if not prefilling.any():
+            return KDAMetadata(decode=self._whole(common), prefill=None, num_tokens=T)
+        if prefilling.all():
+            return KDAMetadata(decode=None, prefill=self._whole(common), num_tokens=T)
+        qsl = common.query_start_loc_cpu[:n + 1].numpy()
+        return KDAMetadata(decode=_gather_rows(common, qsl, ~prefilling),
+                           prefill=_gather_rows(common, qsl, prefilling), num_tokens=T)
+
+    @staticmethod
+    def _whole(common: CommonAttentionMetadata) -> KDARows:
+        n = common.num_reqs
+        has_init_cpu = common.num_computed_tokens_cpu[:n] > 0
+        return KDARows(
+            query_start_loc=common.query_start_loc[:n + 1], query_start_loc_cpu=common.query_start_loc_cpu[:n + 1],
+            state_indices=common.state_indices[:n], state_indices_cpu=common.state_indices_cpu[:n],
+            has_initial_state=(common.seq_lens[:n] > common.query_start_loc[1:n + 1] - common.query_start_loc[:n]),
+            has_initial_state_cpu=has_init_cpu, num_reqs=n, num_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len)
+
+
+def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndarray) -> KDARows:
+    """The rows in `mask`, with their tokens' positions in the step (host-built: this step has a prefill)."""
+    rows = np.flatnonzero(mask)
+    starts, ends = qsl[rows], qsl[rows + 1]
+    lens = ends - starts
+    token_idx = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(rows) else np.zeros(0)
+    group_qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lens, out=group_qsl[1:])
+    rows_t = torch.from_numpy(rows)
+    slots_cpu = common.state_indices_cpu[rows_t]
+    has_init_cpu = common.num_computed_tokens_cpu[rows_t] > 0
+    device = common.state_indices.device
+    qsl_cpu = torch.from_numpy(group_qsl)
+    return KDARows(
+        query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
+        state_indices=slots_cpu.to(device), state_indices_cpu=slots_cpu,
+        has_initial_state=has_init_cpu.to(device), has_initial_state_cpu=has_init_cpu,
+        num_reqs=len(rows), num_tokens=int(group_qsl[-1]), max_query_len=int(lens.max(initial=0)),
+        token_idx=torch.from_numpy(token_idx.astype(np.int64)).to(device))
+
+
+class KDAAttention:
+    """The KDA layers' backend pair: a prefill backend and a decode backend behind one forward."""
+
+    def __init__(self, prefill: type[KDABackend], decode: type[KDABackend]) -> None:
+        assert prefill.runs_prefill and decode.runs_decode, (prefill.name, decode.name)
+        self.prefill, self.decode = prefill, decode
+        self.name = prefill.name if prefill is decode else f"{prefill.name}+{decode.name}"
+
+    def builder(self, block_size: int) -> KDAMetadataBuilder:
+        return KDAMetadataBuilder(self.decode.decode_cudagraph_support)
+
+    def forward(self, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
+                output_gate: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                meta: KDAMetadata) -> torch.Tensor:
+        """Tokens beyond meta.num_tokens (graph padding) come back as zeros."""
+        groups = [(g, fn) for g, fn in ((meta.decode, self.decode.forward_decode),
+                                        (meta.prefill, self.prefill.forward_prefill)) if g is not None]
+        out = None
+        for rows, fn in groups:
+            inputs = (mixed_qkv, raw_gate, raw_beta, output_gate)
+            if rows.token_idx is not None:
+                inputs = tuple(x[rows.token_idx] for x in inputs)
+            y = fn(layer, *inputs, conv_state, ssm_state, rows)
+            if rows.token_idx is None and y.shape[0] == mixed_qkv.shape[0]:
+                return y
+            if out is None:
+                out = y.new_zeros(mixed_qkv.shape[0], y.shape[-1])
+            if rows.token_idx is None:
+                out[:y.shape[0]] = y
+            else:
+                out[rows.token_idx] = y
+        assert out is not None, "a KDA step with no rows"
+        return out

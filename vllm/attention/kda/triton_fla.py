@@ -1,0 +1,94 @@
+"""The `triton` KDA backend: fla-core's Triton kernels over our state pools.
+
+Prefill: `chunk_kda` over all prompt chunks as one varlen sequence batch (cu_seqlens), initial states
+gathered from the pool (zeros for fresh prompts; fla takes fp32 initial states only) and final states
+scattered back in the pool's dtype. Decode: `fused_recurrent_kda_fwd` reads and writes the pool in place by
+state index. Both compute the gate, l2norm and beta sigmoid in-kernel; the conv is ours (conv.py), since
+fla keeps conv states in another layout, and the gated RMSNorm runs in torch.
+
+fla's in-place pool path writes the state after token t to index column t of the row, so rows of more than
+one token with one slot each (1-D indices) would write into their neighbours' slots: such decode groups
+take the gather/scatter path instead. fla-core's kernels do not run under Triton's CPU interpreter.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.attention.backend import AttentionCGSupport, LayerShapes
+from vllm.attention.kda.conv import causal_conv1d_silu
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+
+
+class TritonFLAKDABackend(KDABackend):
+    name = "triton"
+    runs_prefill = runs_decode = True
+    decode_cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
+        if device.type != "cuda":
+            return f"fla-core's Triton kernels need a CUDA GPU (device is {device})"
+        try:
+            import fla.ops.kda  # noqa: F401
+        except ImportError as e:
+            return f"needs fla-core ({e}); pip install 'vllm[cuda]'"
+        return None
+
+    @classmethod
+    def forward_decode(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
+                       raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
+                       ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+        if rows.max_query_len > 1:
+            return cls._varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows)
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        q, k, v = _conv(layer, mixed_qkv, conv_state, rows)
+        H, K, T = layer.num_heads, layer.head_dim, rows.num_tokens
+        o, _ = fused_recurrent_kda_fwd(
+            q, k, v, raw_gate[:T].view(1, T, H, K), raw_beta[:T].view(1, T, H), A_log=layer.A_log,
+            dt_bias=layer.dt_bias, initial_state=ssm_state, scale=K ** -0.5, inplace_final_state=True,
+            state_v_first=True, cu_seqlens=rows.query_start_loc, ssm_state_indices=rows.state_indices,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=layer.gate_lower_bound)
+        return _gated_norm(layer, o[0], output_gate[:T])
+
+    @classmethod
+    def forward_prefill(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
+                        raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
+                        ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+        return cls._varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows,
+                           chunked=True)
+
+    @staticmethod
+    def _varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, chunked=False):
+        from fla.ops.kda import chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        q, k, v = _conv(layer, mixed_qkv, conv_state, rows)
+        H, K, T = layer.num_heads, layer.head_dim, rows.num_tokens
+        slots = rows.state_indices.long()
+        init = ssm_state[slots].float() * rows.has_initial_state[:, None, None, None]
+        gate_args = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         lower_bound=layer.gate_lower_bound, state_v_first=True, scale=K ** -0.5)
+        g, beta = raw_gate[:T].view(1, T, H, K), raw_beta[:T].view(1, T, H)
+        if chunked:
+            o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                 safe_gate=layer.gate_lower_bound is not None, cu_seqlens=rows.query_start_loc.long(),
+                                 cu_seqlens_cpu=rows.query_start_loc_cpu.long(), **gate_args)
+        else:
+            o, final = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                               inplace_final_state=False, cu_seqlens=rows.query_start_loc,
+                                               **gate_args)
+        ssm_state[slots] = final.to(ssm_state.dtype)
+        return _gated_norm(layer, o[0], output_gate[:T])
+
+
+def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, rows: KDARows):
+    """Conv + SiLU, then q, k, v as [1, T, H, K] views for fla."""
+    T, H, K = rows.num_tokens, layer.num_heads, layer.head_dim
+    x = causal_conv1d_silu(mixed_qkv[:T], layer.conv_weight, conv_state, rows.query_start_loc,
+                           rows.state_indices, rows.has_initial_state, rows.max_query_len)
+    return (t.contiguous().view(1, T, H, K) for t in x.chunk(3, dim=-1))
+
+
+def _gated_norm(layer: KDAWeights, o: torch.Tensor, output_gate: torch.Tensor) -> torch.Tensor:
+    return layer.o_norm(o, output_gate.unflatten(-1, (layer.num_heads, -1))).flatten(-2)

@@ -1,0 +1,187 @@
+"""Triton kernels of the TRITON_MLA backend: the latent-cache write, split-KV absorbed attention, the split merge.
+
+Absorbed MLA is MQA in latent space: every head of a request scores the same cache row
+[c_kv (L) | k_rope (R)]. So one attention program takes BLOCK_M query rows of one request, flattened as
+token * H + head, and reads each cache tile once for all of them (c_kv serves as both K and V). The
+context is cut into `num_splits` ranges computed in-kernel from the device lengths (flash-decoding), so a
+fixed grid serves any lengths, as a CUDA graph needs; a merge kernel joins the splits by log-sum-exp.
+Scores run in base 2 (exp2/log2), with the softmax scale folded into log2(e).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_latent_kernel(latent_ptr, cache_ptr, slot_ptr, stride_latent, stride_blk, stride_off,
+                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot < 0:  # a padding token owns no cache row
+        return
+    d = tl.arange(0, BLOCK_D)
+    row = tl.load(latent_ptr + i.to(tl.int64) * stride_latent + d, mask=d < D)
+    dst = cache_ptr + (slot // PAGE) * stride_blk + (slot % PAGE) * stride_off + d
+    tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _split_attention_kernel(
+        q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr, lse_ptr, qk_scale,
+        stride_lat_t, stride_lat_h, stride_rope_t, stride_rope_h, stride_blk, stride_off, stride_bt,
+        stride_out_s, stride_out_t, stride_out_h, stride_lse_s, stride_lse_t,
+        H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FINAL: tl.constexpr,
+        PRECISION: tl.constexpr):
+    # Row blocks vary fastest, so the programs that read the same cache tiles run side by side (L2 reuse).
+    mb, split, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if mb * BLOCK_M >= q_len * H:  # the grid is sized for max_query_len; shorter rows leave blocks idle
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < q_len * H
+    t, h = m // H, (m % H).to(tl.int64)  # int64 addressing: q_lat's head stride is T * L
+    tok = (q_start + t).to(tl.int64)
+    last_pos = seq_len - q_len + t  # causal: token t sees cache positions 0..last_pos
+    # Split the range the block's last token sees; every split of this block derives the same ranges.
+    kv_end = seq_len - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M - 1, q_len * H - 1) // H + 1
+    chunk = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+
+    offs_l, offs_r = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
+    l_ok, r_ok = offs_l < L, offs_r < R
+    q_lat = tl.load(q_lat_ptr + tok[:, None] * stride_lat_t + h[:, None] * stride_lat_h + offs_l[None, :],
+                    mask=row_ok[:, None] & l_ok[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    q_rope = tl.load(q_rope_ptr + tok[:, None] * stride_rope_t + h[:, None] * stride_rope_h + offs_r[None, :],
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < hi
+        page = tl.load(block_table_ptr + req * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+        row = cache_ptr + page * stride_blk + (pos % PAGE) * stride_off
+        c_kv = tl.load(row[:, None] + offs_l[None, :], mask=pos_ok[:, None] & l_ok[None, :], other=0.0)
+        k_rope = tl.load(row[:, None] + L + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c_kv), input_precision=PRECISION)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION)
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= last_pos[:, None]), s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no position yet (causal, in a later split) must stay 0, not exp(-inf + inf).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(c_kv.dtype), c_kv, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + split.to(tl.int64) * stride_out_s + tok[:, None] * stride_out_t + h[:, None] * stride_out_h
+             + offs_l[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & l_ok[None, :])
+    if not FINAL:
+        # -inf: the split saw nothing for the row (log2 of a guarded l_i, as both branches are evaluated)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split.to(tl.int64) * stride_lse_s + tok * stride_lse_t + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs,
+                         stride_part_s, stride_part_t, stride_part_h, stride_lse_s, stride_lse_t,
+                         stride_out_t, stride_out_h, H: tl.constexpr, L: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    if tok >= tl.load(qsl_ptr + num_reqs):  # padding tokens past the last request have no partials
+        return
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_s, offs_l = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_L)
+    h_ok, l_ok = h < H, offs_l < L
+    lse = tl.load(lse_ptr + offs_s[:, None] * stride_lse_s + tok * stride_lse_t + h[None, :],
+                  mask=(offs_s < NUM_SPLITS)[:, None] & h_ok[None, :], other=float("-inf"))
+    # Split 0 always holds position 0, so a real row's max is finite; lanes past H are never stored.
+    m = tl.where(h_ok, tl.max(lse, 0), 0.0)
+    denom = tl.where(h_ok, tl.sum(tl.exp2(lse - m[None, :]), 0), 1.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    lse_ptrs = lse_ptr + tok * stride_lse_t + h
+    part_ptrs = part_ptr + tok * stride_part_t + h[:, None] * stride_part_h + offs_l[None, :]
+    for _ in range(NUM_SPLITS):  # pointers step by split: 64-bit, where split * stride could overflow int32
+        w = tl.exp2(tl.load(lse_ptrs, mask=h_ok, other=0.0) - m)
+        acc += w[:, None] * tl.load(part_ptrs, mask=h_ok[:, None] & l_ok[None, :], other=0.0)
+        lse_ptrs += stride_lse_s
+        part_ptrs += stride_part_s
+    tl.store(out_ptr + tok * stride_out_t + h[:, None] * stride_out_h + offs_l[None, :],
+             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
+
+
+def _tile_config(dtype: torch.dtype, rows: int, block_l: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = max_query_len * H query rows per request.
+
+    Checked with ptxas for sm_90a and sm_80 at L=512, R=64, bf16/fp16 (not yet timed on a GPU): 8 warps
+    hold the [BLOCK_M, 512] fp32 accumulator without spills, the paged loads pipeline into cp.async, and
+    BLOCK_M=64 runs on wgmma. BLOCK_M is the M of both dots: all heads of a decode token share one tile.
+    """
+    if block_l < 256:  # small latent widths (tests): small tiles, several per context
+        return min(64, max(16, triton.next_power_of_2(rows))), 16, 4, 2
+    if dtype == torch.float32:  # ieee fp32 dots run on the FMA units; wider tiles spill
+        return 16, 16, 8, 2
+    if rows > 32:
+        return 64, 32, 8, 2  # 238 registers, 144 KiB shared
+    return max(16, triton.next_power_of_2(rows)), 64, 8, 3  # 182..217 registers, 93..113 KiB shared
+
+
+def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache[slot] = latent[i] for each token i with slot_mapping[i] >= 0 (flat row = block*bs + offset)."""
+    if slot_mapping.shape[0] == 0:
+        return
+    assert latent.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    D = kv_cache.shape[-1]
+    _write_latent_kernel[(slot_mapping.shape[0],)](
+        latent, kv_cache, slot_mapping, latent.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        D=D, PAGE=kv_cache.shape[1], BLOCK_D=triton.next_power_of_2(D))
+
+
+def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                     num_reqs: int, max_query_len: int, num_splits: int, scale: float) -> torch.Tensor:
+    """Causal absorbed attention of every query row over its request's paged latent cache.
+
+    q_lat [H, T, L] (W_UK already applied), q_rope [T, H, R], kv_cache [blocks, bs, L+R]. Returns the
+    latent output [T, H, L] in q_lat's dtype; rows of tokens outside every request are left unwritten.
+    """
+    H, T, L = q_lat.shape
+    R = q_rope.shape[-1]
+    assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    out = q_lat.new_empty(T, H, L)
+    if T == 0 or num_reqs == 0:
+        return out
+    BLOCK_L, BLOCK_R = triton.next_power_of_2(L), max(16, triton.next_power_of_2(R))
+    BLOCK_M, BLOCK_N, num_warps, num_stages = _tile_config(kv_cache.dtype, max_query_len * H, BLOCK_L)
+    final = num_splits == 1  # a single split is already normalised: write it straight out, skip the merge
+    if final:
+        part, lse = out.unsqueeze(0), out.new_empty(0, 0, dtype=torch.float32)  # lse is not written
+    else:
+        part = torch.empty(num_splits, T, H, L, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q_lat.device)
+    grid = (triton.cdiv(max_query_len * H, BLOCK_M), num_splits, num_reqs)
+    _split_attention_kernel[grid](
+        q_lat, q_rope, kv_cache, block_table, query_start_loc, seq_lens, part, lse, scale * math.log2(math.e),
+        q_lat.stride(1), q_lat.stride(0), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), block_table.stride(0), part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        H=H, L=L, R=R, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+        BLOCK_R=BLOCK_R, FINAL=final, PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    if not final:
+        BLOCK_H = min(16, triton.next_power_of_2(H))
+        _merge_splits_kernel[(T, triton.cdiv(H, BLOCK_H))](
+            part, lse, out, query_start_loc, num_reqs, part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H=H, L=L, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L, num_warps=4)
+    return out
