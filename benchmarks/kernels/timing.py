@@ -47,5 +47,7 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, read + write bytes counted (the roofline the targets refer to)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), reps=20, calls_per_rep=5)["median"]
+    for _ in range(50):  # let the clocks ramp up before timing
+        dst.copy_(src)
+    us = time_graph(lambda: dst.copy_(src), reps=30, calls_per_rep=10)["median"]
     return 2 * nbytes / (us * 1e-6) / 1e9

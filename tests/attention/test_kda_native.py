@@ -1,7 +1,8 @@
 """fused_kda_decode (Triton) against the torch KDA reference: on CPU through the Triton interpreter, on CUDA for real.
 
 The reference composes vllm.attention.kda.ops and rms_normalize one request at a time, the way the torch backend
-does; every test also checks that slots and output rows the kernel must not touch keep their exact bits.
+does; every test also checks that slots and output rows the kernel must not touch keep their exact bits. K = 64
+on the CPU gives the kernel two V-blocks of state rows (BLOCK_V = 32) to carry a row's tokens across.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from vllm.attention.kda.native import fused_kda_decode  # noqa: E402
-from vllm.attention.kda.ops import causal_conv1d, kda_gate, kda_recurrent, l2norm  # noqa: E402
-from vllm.model_executor.layers.layernorm import rms_normalize  # noqa: E402
+from vllm.attention.kda.native import fused_kda_decode
+from vllm.attention.kda.ops import causal_conv1d, kda_gate, kda_recurrent, l2norm
+from vllm.model_executor.layers.layernorm import rms_normalize
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 W = 4
@@ -23,11 +24,11 @@ NORM_EPS = 1e-5
 SENTINEL = 123.0  # output value of rows the kernel must skip
 # Output / state tolerances by dtype: a bf16 ulp allows for the interpreter's fp32 -> bf16 casts, which truncate
 # (GPUs round to nearest even); fp16 casts round correctly everywhere.
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3),
-       torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+       torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
 
-def shapes(device: str, cpu=(2, 16), cuda=(4, 128)) -> tuple[int, int]:
+def shapes(device: str, cpu=(2, 64), cuda=(4, 128)) -> tuple[int, int]:
     """(H, K): small for the interpreter, the real head size on CUDA."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors run through the Triton interpreter only")
@@ -41,22 +42,22 @@ def make_case(lens, num_slots, H, K, act_dtype, state_dtype, device, seed, lower
     def randn(*shape, scale=1.0, dtype=torch.float32):
         return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
 
-    return dict(
-        mixed_qkv=randn(T, 3 * P, dtype=act_dtype),
-        raw_gate=randn(T, P, scale=2.0, dtype=act_dtype),
-        raw_beta=randn(T, H, dtype=act_dtype),
-        output_gate=randn(T, P, dtype=act_dtype),
-        conv_weight=randn(3 * P, W, scale=0.5, dtype=act_dtype),
-        A_log=(2 * torch.rand(H, generator=gen) - 1).to(device),
-        dt_bias=randn(P, scale=0.5),
-        norm_weight=(1 + randn(K, scale=0.1)).to(act_dtype),
-        norm_eps=NORM_EPS,
-        lower_bound=lower_bound,
-        conv_state=randn(num_slots, 3 * P, W - 1, dtype=act_dtype),
-        ssm_state=randn(num_slots, H, K, K, dtype=state_dtype),
-        query_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                                     device=device),
-    )
+    return {
+        "mixed_qkv": randn(T, 3 * P, dtype=act_dtype),
+        "raw_gate": randn(T, P, scale=2.0, dtype=act_dtype),
+        "raw_beta": randn(T, H, dtype=act_dtype),
+        "output_gate": randn(T, P, dtype=act_dtype),
+        "conv_weight": randn(3 * P, W, scale=0.5, dtype=act_dtype),
+        "A_log": (2 * torch.rand(H, generator=gen) - 1).to(device),
+        "dt_bias": randn(P, scale=0.5),
+        "norm_weight": (1 + randn(K, scale=0.1)).to(act_dtype),
+        "norm_eps": NORM_EPS,
+        "lower_bound": lower_bound,
+        "conv_state": randn(num_slots, 3 * P, W - 1, dtype=act_dtype),
+        "ssm_state": randn(num_slots, H, K, K, dtype=state_dtype),
+        "query_start_loc": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                        device=device),
+    }
 
 
 def reference(case, state_indices, num_accepted_tokens, H, K, exact=False):
@@ -150,12 +151,12 @@ def test_ragged_rows_match_reference(device, act_dtype, state_dtype, lower_bound
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_checkpoint_columns(device, state_dtype):
     """2-D indices: the state after token t goes to column t, starting from column num_accepted - 1."""
-    H, K = shapes(device, cpu=(3, 32))
+    H, K = shapes(device, cpu=(3, 64))
     lens = [3, 2, 3, 0, 3]
     cols = indices([[0, 4, 8], [1, 5, 9], [2, 6, 11], [3, 7, 12], [-1, -1, -1]], device)
     accepted = indices([1, 3, 2, 1, 1], device)
     case = make_case(lens, 14, H, K, torch.float32, state_dtype, device, seed=2)
-    out, ssm_state, written = run_and_check(case, cols, H, K, num_accepted_tokens=accepted)
+    _, ssm_state, written = run_and_check(case, cols, H, K, num_accepted_tokens=accepted)
     # Row 1 has 2 tokens and reads column 2 (slot 9), which it must not write.
     assert written == {0, 4, 8, 1, 5, 2, 6, 11}
     assert torch.equal(ssm_state[9], case["ssm_state"][9])

@@ -1,17 +1,20 @@
 """Fused KDA decode in Triton: conv-state update, gate, delta-rule recurrence and gated RMSNorm in one launch.
 
-Decode is bound by the recurrent state: every request reads and writes H x [V, K] state per layer while it
-computes only a few vectors per token. The kernel is shaped around moving those bytes once:
+Decode is bound by the recurrent state: every request reads and writes an H x [V, K] state per layer and does
+little arithmetic per byte. The kernel is shaped around moving those bytes once and keeping the SMs full:
 
-* One program per (request, head) holds the head's whole [V, K] state tile in fp32 registers for all of the
-  row's tokens, so the state is read once and written once per row (not per token), with loads and stores
-  coalesced along K, the contiguous dim. The per-head vectors (conv weights, dt_bias, norm weight, exp(A_log))
-  are loaded once per program, and q, k, g, beta once per token, never per V-row.
-* Not splitting V is also what makes the in-place conv-state update safe: the q/k conv channels of a head are
-  read by whoever computes that head, so with V split across programs one program could overwrite them before
-  another had read them. Here each program alone reads and writes its head's q, k and v conv channels of its
-  request's slots (requests never share a slot).
-* The per-token loop has a compile-time trip count (max_query_len: 1 for plain decode, 1 + num_spec with
+* One program per (request, head) owns that head's state for all of the row's tokens: it reads the state once
+  per row and writes it once per row (once per token only where checkpoint columns ask for every token's
+  state), with loads and stores coalesced along K, the contiguous dim.
+* Rows of S are independent given the per-token head vectors (q, k, decay, beta), so the program computes those
+  once and then streams the state through registers in blocks of BV rows, running every token on a block before
+  moving to the next. A [BV, K] block instead of the whole [V, K] tile keeps registers low enough for several
+  programs per SM, whose loads overlap each other's arithmetic.
+* Not splitting a head across programs is what makes the in-place updates race-free: the q/k conv state of a
+  head feeds every V row, so with V split across programs one could overwrite it before another had read it.
+  Within a program, barriers order each state's loads before its in-place stores, whichever threads they land
+  on. The gated RMSNorm needs all V rows of o: the unnormalised o is parked in `out` until the last block.
+* The token loops are unrolled to max_query_len (a compile-time constant: 1 for plain decode, 1 + num_spec with
   speculative decoding, so only a few variants get compiled); the real ragged lengths come from the device
   offsets, so the launch is CUDA-graph safe: no host syncs, grid (N, H) from shapes only.
 """
@@ -22,46 +25,44 @@ import triton
 import triton.language as tl
 
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
-
 from vllm.attention.kda import ops
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
 
 # Kernels may read only constexpr globals.
 SOFTPLUS_LINEAR_ABOVE = tl.constexpr(ops.SOFTPLUS_LINEAR_ABOVE)
 L2NORM_EPS = tl.constexpr(1e-6)  # ops.l2norm's default
+# State rows per block, run by BV * K / 16 threads: at 16 state elements per thread the compiler keeps the block
+# in its coalesced load layout (at 32 it reshuffles it through shared memory), and plain decode at K = 128 needs
+# 64-73 registers (ptxas, sm_90), i.e. 3-4 programs of 8 warps per SM.
+BLOCK_V = 32
 
 
 @triton.jit
-def _load_conv_state(cs_ptr, ch, stride_c, stride_w, W: tl.constexpr):
-    """The conv state of channels `ch` (the W - 1 inputs before the row) as a tuple of [K] vectors."""
-    cols = ()
-    for i in tl.static_range(W - 1):
-        cols = cols + (tl.load(cs_ptr + ch * stride_c + i * stride_w).to(tl.float32),)
-    return cols
+def _conv_window(qkv_ptr, stride_qkv, start, length, t, cs_ptr, stride_c, stride_w, ch,
+                 W: tl.constexpr, BW: tl.constexpr):
+    """[C, BW] conv window of token t over channels `ch`: column j holds input t - (W-1) + j of the row, taken
+    from the conv state where that is before the row; columns past W - 1 are zero."""
+    j = tl.arange(0, BW)[None, :]
+    pos = t - (W - 1) + j
+    x = tl.load(qkv_ptr + (start + pos) * stride_qkv + ch[:, None], mask=(pos >= 0) & (pos < length) & (j < W),
+                other=0.0)
+    earlier = tl.load(cs_ptr + ch[:, None] * stride_c + (t + j) * stride_w, mask=pos < 0, other=0.0)
+    return tl.where(pos < 0, earlier, x).to(tl.float32)
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, stride_qkv, start, t, ch, hist, w_ptr, stride_w, W: tl.constexpr):
-    """Token t's depthwise causal conv over channels `ch`: its W window inputs (a tuple, oldest first) and
-    SiLU(conv), rounded to the activation dtype as the reference stores activations."""
-    window = ()
-    y = tl.zeros(ch.shape, tl.float32)
-    for j in tl.static_range(W):
-        pos = t - (W - 1) + j  # position of window input j within the row
-        x = tl.load(qkv_ptr + (start + pos) * stride_qkv + ch, mask=pos >= 0, other=0.0).to(tl.float32)
-        for i in tl.static_range(W - 1):  # before the row: conv-state column t + j
-            x = tl.where(t + j == i, hist[i], x)
-        window = window + (x,)
-        y += tl.load(w_ptr + ch * stride_w + j).to(tl.float32) * x
-    y = y * tl.sigmoid(y)
-    return window, y.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+def _conv_silu(window, w, act: tl.constexpr):
+    """SiLU of the depthwise conv, rounded to the activation dtype as the reference stores activations."""
+    y = tl.sum(window * w, axis=1)
+    return (y * tl.sigmoid(y)).to(act).to(tl.float32)
 
 
 @triton.jit
-def _store_conv_state(cs_ptr, ch, stride_c, stride_w, window, W: tl.constexpr):
-    """The conv state after a token is its window's last W - 1 inputs."""
-    for i in tl.static_range(W - 1):
-        tl.store(cs_ptr + ch * stride_c + i * stride_w, window[i + 1].to(cs_ptr.dtype.element_ty))
+def _store_conv_state(cs_ptr, stride_c, stride_w, ch, window, save, W: tl.constexpr, BW: tl.constexpr):
+    """The conv state after a token is its window's last W - 1 inputs: column j goes to state column j - 1."""
+    j = tl.arange(0, BW)[None, :]
+    tl.store(cs_ptr + ch[:, None] * stride_c + (j - 1) * stride_w, window.to(cs_ptr.dtype.element_ty),
+             mask=(j >= 1) & (j < W) & save)
 
 
 @triton.jit
@@ -72,8 +73,8 @@ def _fused_kda_decode_kernel(
     stride_qkv, stride_gate, stride_beta, stride_ogate, stride_out, stride_cw,
     stride_cs_slot, stride_cs_c, stride_cs_w, stride_ssm_slot, stride_idx,
     norm_eps, lower_bound, q_scale,
-    P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, MAX_T: tl.constexpr,
-    BOUNDED: tl.constexpr, SPEC: tl.constexpr,
+    P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, MAX_T: tl.constexpr,
+    BV: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -85,64 +86,94 @@ def _fused_kda_decode_kernel(
         src = tl.load(idx_ptr + r).to(tl.int64)
     if (length <= 0) | (src < 0):  # padding row or padding slot
         return
-
-    offs = tl.arange(0, K)
-    ch = h * K + offs  # this head's channels within q, k, v, gate and output
-    state_offs = h * K * K + offs[:, None] * K + offs[None, :]  # [V, K], K contiguous
+    act = qkv_ptr.dtype.element_ty
     src_conv = conv_state_ptr + src * stride_cs_slot
-    S = tl.load(ssm_ptr + src * stride_ssm_slot + state_offs).to(tl.float32)
-    hist_q = _load_conv_state(src_conv, ch, stride_cs_c, stride_cs_w, W)
-    hist_k = _load_conv_state(src_conv, P + ch, stride_cs_c, stride_cs_w, W)
-    hist_v = _load_conv_state(src_conv, 2 * P + ch, stride_cs_c, stride_cs_w, W)
-    # The stores below go back in place, and the compiler may give a store another thread-to-element map than
-    # the load of the same address had: every thread of the program must have finished its loads first.
-    tl.debug_barrier()
+    offs = tl.arange(0, K)
+    jw = tl.arange(0, BW)[None, :]
+    ch = h * K + offs  # this head's channels within q, k, gate and output
 
+    # Per-token head vectors, computed once for all V-blocks. Tokens past the row's end (t >= length) run on
+    # masked zeros and store nothing.
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-    for t in tl.range(0, MAX_T):
-        if t < length:
+    w_q = tl.load(conv_w_ptr + ch[:, None] * stride_cw + jw, mask=jw < W, other=0.0).to(tl.float32)
+    w_k = tl.load(conv_w_ptr + (P + ch[:, None]) * stride_cw + jw, mask=jw < W, other=0.0).to(tl.float32)
+    qs, ks, decays, betas, wins_q, wins_k, dsts, saves = (), (), (), (), (), (), (), ()
+    for t in tl.static_range(MAX_T):
+        tok = start + t
+        valid = t < length
+        win_q = _conv_window(qkv_ptr, stride_qkv, start, length, t, src_conv, stride_cs_c, stride_cs_w, ch, W, BW)
+        win_k = _conv_window(qkv_ptr, stride_qkv, start, length, t, src_conv, stride_cs_c, stride_cs_w, P + ch,
+                             W, BW)
+        q = _conv_silu(win_q, w_q, act)
+        k = _conv_silu(win_k, w_k, act)
+        s = tl.load(gate_ptr + tok * stride_gate + ch, mask=valid, other=0.0).to(tl.float32) + dt_bias
+        if BOUNDED:
+            g = lower_bound * tl.sigmoid(a * s)
+        else:  # -a * softplus(s), in the overflow-free form
+            softplus = tl.maximum(s, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(s)))
+            g = -a * tl.where(s > SOFTPLUS_LINEAR_ABOVE, s, softplus)
+        # Plain decode writes the final state back to the source slot; speculative decoding writes the state
+        # after every token to that token's checkpoint column.
+        if SPEC:
+            dst = tl.load(idx_ptr + r * stride_idx + t, mask=valid, other=-1).to(tl.int64)
+            save = dst >= 0
+        else:
+            dst = src
+            save = t == length - 1
+        qs += (q * tl.rsqrt(tl.sum(q * q) + L2NORM_EPS) * q_scale,)
+        ks += (k * tl.rsqrt(tl.sum(k * k) + L2NORM_EPS),)
+        decays += (tl.exp(g),)
+        betas += (tl.sigmoid(tl.load(beta_ptr + tok * stride_beta + h, mask=valid, other=0.0).to(tl.float32)),)
+        wins_q += (win_q,)
+        wins_k += (win_k,)
+        dsts += (dst,)
+        saves += (save,)
+    # States go back in place, possibly stored by other threads of this program than the ones that loaded
+    # them (the compiler picks each op's thread mapping): a barrier puts every load before every store.
+    tl.debug_barrier()
+    for t in tl.static_range(MAX_T):
+        dst_conv = conv_state_ptr + dsts[t] * stride_cs_slot
+        _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, ch, wins_q[t], saves[t], W, BW)
+        _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, P + ch, wins_k[t], saves[t], W, BW)
+
+    # The recurrence, BV rows of the state at a time: rows are independent given the head vectors above, so
+    # registers hold a [BV, K] block and several programs fit on an SM.
+    for v0 in tl.range(0, K, BV):
+        rows = v0 + tl.arange(0, BV)
+        ch_v = 2 * P + h * K + rows  # this block's v channels
+        state_offs = h * K * K + rows[:, None] * K + offs[None, :]  # K contiguous
+        S = tl.load(ssm_ptr + src * stride_ssm_slot + state_offs).to(tl.float32)
+        w_v = tl.load(conv_w_ptr + ch_v[:, None] * stride_cw + jw, mask=jw < W, other=0.0).to(tl.float32)
+        wins_v = ()
+        for t in tl.static_range(MAX_T):
+            wins_v += (_conv_window(qkv_ptr, stride_qkv, start, length, t, src_conv, stride_cs_c, stride_cs_w,
+                                    ch_v, W, BW),)
+        tl.debug_barrier()  # this block's state and v conv state are stored in place below
+        for t in tl.static_range(MAX_T):
             tok = start + t
-            win_q, q = _conv_silu(qkv_ptr, stride_qkv, start, t, ch, hist_q, conv_w_ptr, stride_cw, W)
-            win_k, k = _conv_silu(qkv_ptr, stride_qkv, start, t, P + ch, hist_k, conv_w_ptr, stride_cw, W)
-            win_v, v = _conv_silu(qkv_ptr, stride_qkv, start, t, 2 * P + ch, hist_v, conv_w_ptr, stride_cw, W)
-            q = q * tl.rsqrt(tl.sum(q * q) + L2NORM_EPS) * q_scale
-            k = k * tl.rsqrt(tl.sum(k * k) + L2NORM_EPS)
+            v = _conv_silu(wins_v[t], w_v, act)
+            S = S * decays[t][None, :]
+            c = betas[t] * (v - tl.sum(S * ks[t][None, :], axis=1))
+            S = S + c[:, None] * ks[t][None, :]
+            o = tl.sum(S * qs[t][None, :], axis=1)
+            # The gated RMSNorm needs all V rows: park o in `out` (rounded to the activation dtype, as the
+            # reference normalises it) until every block is done.
+            tl.store(out_ptr + tok * stride_out + h * K + rows, o.to(out_ptr.dtype.element_ty), mask=t < length)
+            tl.store(ssm_ptr + dsts[t] * stride_ssm_slot + state_offs, S.to(ssm_ptr.dtype.element_ty),
+                     mask=saves[t])
+            _store_conv_state(conv_state_ptr + dsts[t] * stride_cs_slot, stride_cs_c, stride_cs_w, ch_v,
+                              wins_v[t], saves[t], W, BW)
 
-            s = tl.load(gate_ptr + tok * stride_gate + ch).to(tl.float32) + dt_bias
-            if BOUNDED:
-                g = lower_bound * tl.sigmoid(a * s)
-            else:  # -a * softplus(s), in the overflow-free form
-                softplus = tl.maximum(s, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(s)))
-                g = -a * tl.where(s > SOFTPLUS_LINEAR_ABOVE, s, softplus)
-            beta = tl.sigmoid(tl.load(beta_ptr + tok * stride_beta + h).to(tl.float32))
-
-            S = S * tl.exp(g)[None, :]
-            c = beta * (v - tl.sum(S * k[None, :], axis=1))
-            S = S + c[:, None] * k[None, :]
-            o = tl.sum(S * q[None, :], axis=1)
-
-            # Gated RMSNorm of the core output, which the reference rounds to the activation dtype first.
-            o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
-            o = o * tl.rsqrt(tl.sum(o * o) / K + norm_eps) * norm_w
-            o = o * tl.sigmoid(tl.load(ogate_ptr + tok * stride_ogate + ch).to(tl.float32))
-            tl.store(out_ptr + tok * stride_out + ch, o.to(out_ptr.dtype.element_ty))
-
-            # Plain decode writes the final state back to the source slot; speculative decoding writes the
-            # state after every token to that token's checkpoint column.
-            if SPEC:
-                dst = tl.load(idx_ptr + r * stride_idx + t).to(tl.int64)
-                save = dst >= 0
-            else:
-                dst = src
-                save = t == length - 1
-            if save:
-                tl.store(ssm_ptr + dst * stride_ssm_slot + state_offs, S.to(ssm_ptr.dtype.element_ty))
-                dst_conv = conv_state_ptr + dst * stride_cs_slot
-                _store_conv_state(dst_conv, ch, stride_cs_c, stride_cs_w, win_q, W)
-                _store_conv_state(dst_conv, P + ch, stride_cs_c, stride_cs_w, win_k, W)
-                _store_conv_state(dst_conv, 2 * P + ch, stride_cs_c, stride_cs_w, win_v, W)
+    tl.debug_barrier()  # every thread sees every block's parked o
+    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+    for t in tl.static_range(MAX_T):
+        tok = start + t
+        valid = t < length
+        o = tl.load(out_ptr + tok * stride_out + ch, mask=valid, other=0.0).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o) / K + norm_eps) * norm_w
+        o = o * tl.sigmoid(tl.load(ogate_ptr + tok * stride_ogate + ch, mask=valid, other=0.0).to(tl.float32))
+        tl.store(out_ptr + tok * stride_out + ch, o.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
@@ -159,14 +190,16 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     (float32 or bfloat16) are updated in place. Request r owns tokens query_start_loc[r]:query_start_loc[r+1].
     state_indices [N] gives each request's slot; [N, C] gives checkpoint columns: the state is read from column
     num_accepted_tokens[r] - 1 and the state after token t written to column t. Rows with no tokens or a
-    negative slot are skipped, and their output rows left as they are (uninitialised when `out` is None).
+    negative slot are skipped, and their output rows left as they are (uninitialised when `out` is None);
+    `out`, if given, is [T, P] in the activation dtype.
     """
     H, K = num_heads, head_dim
     P, W = H * K, conv_weight.shape[-1]
     T, N = mixed_qkv.shape[0], state_indices.shape[0]
-    assert K & (K - 1) == 0, "head_dim must be a power of two (the state tile is unmasked)"
+    assert K & (K - 1) == 0, "head_dim must be a power of two (tiles are unmasked)"
     assert mixed_qkv.shape[-1] == 3 * P and conv_state.shape[1:] == (3 * P, W - 1)
     assert ssm_state.shape[1:] == (H, K, K) and ssm_state[0].is_contiguous()
+    assert out is None or out.dtype == mixed_qkv.dtype, "o is parked in `out`, rounded to the activation dtype"
     spec = state_indices.dim() == 2
     if spec:
         assert num_accepted_tokens is not None and state_indices.shape[1] >= max_query_len
@@ -176,6 +209,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         assert x.stride(-1) == 1, "channels must be contiguous"
     if N == 0 or T == 0:
         return out
+    BV = min(K, BLOCK_V)
     _fused_kda_decode_kernel[(N, H)](
         mixed_qkv, raw_gate, raw_beta, output_gate, out,
         conv_weight, A_log, dt_bias, norm_weight,
@@ -185,10 +219,9 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), state_indices.stride(0),
         norm_eps, 0.0 if lower_bound is None else lower_bound, K ** -0.5,
-        P=P, K=K, W=W, MAX_T=max_query_len,
+        P=P, K=K, W=W, BW=triton.next_power_of_2(W), MAX_T=max_query_len, BV=BV,
         BOUNDED=lower_bound is not None, SPEC=spec,
-        # About 64 fp32 state elements per thread: 8 warps for the 128 x 128 tile.
-        num_warps=max(1, min(8, K * K // (32 * 64))),
+        num_warps=max(1, BV * K // (32 * 16)),  # 16 state elements per thread: see BLOCK_V
     )
     return out
 
