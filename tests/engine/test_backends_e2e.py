@@ -24,7 +24,7 @@ def model_dir(request, tmp_path_factory):
 
 def _prompts(lengths, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(5, 500, (n,), generator=gen).tolist()} for n in lengths]
+    return [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in lengths]
 
 
 def _run(model_dir, dtype, backends, batch, params, **kwargs):

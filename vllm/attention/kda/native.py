@@ -35,6 +35,7 @@ L2NORM_EPS = tl.constexpr(1e-6)  # ops.l2norm's default
 # in its coalesced load layout (at 32 it reshuffles it through shared memory), and plain decode at K = 128 needs
 # 64-73 registers (ptxas, sm_90), i.e. 3-4 programs of 8 warps per SM.
 BLOCK_V = 32
+PREFETCH = False
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def _fused_kda_decode_kernel(
     stride_cs_slot, stride_cs_c, stride_cs_w, stride_ssm_slot, stride_idx,
     norm_eps, lower_bound, q_scale,
     P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, MAX_T: tl.constexpr,
-    BV: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr,
+    BV: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -139,17 +140,29 @@ def _fused_kda_decode_kernel(
 
     # The recurrence, BV rows of the state at a time: rows are independent given the head vectors above, so
     # registers hold a [BV, K] block and several programs fit on an SM.
-    for v0 in tl.range(0, K, BV):
-        rows = v0 + tl.arange(0, BV)
-        ch_v = 2 * P + h * K + rows  # this block's v channels
+    # With PREFETCH the next block's state load is issued before this block's math, so every program keeps
+    # two blocks of loads in flight: decode is latency-bound on those loads, not on the arithmetic.
+    NB: tl.constexpr = K // BV
+    block = tl.arange(0, BV)
+    state_base = ssm_ptr + src * stride_ssm_slot + h * K * K
+    if PREFETCH:
+        S_next = tl.load(state_base + block[:, None] * K + offs[None, :])
+    for b in tl.static_range(NB):
+        rows = b * BV + block
         state_offs = h * K * K + rows[:, None] * K + offs[None, :]  # K contiguous
-        S = tl.load(ssm_ptr + src * stride_ssm_slot + state_offs).to(tl.float32)
+        if PREFETCH:
+            S = S_next.to(tl.float32)
+            if b + 1 < NB:
+                S_next = tl.load(state_base + (rows + BV)[:, None] * K + offs[None, :])
+        else:
+            S = tl.load(state_base + rows[:, None] * K + offs[None, :]).to(tl.float32)
+        ch_v = 2 * P + h * K + rows  # this block's v channels
         w_v = tl.load(conv_w_ptr + ch_v[:, None] * stride_cw + jw, mask=jw < W, other=0.0).to(tl.float32)
         wins_v = ()
         for t in tl.static_range(MAX_T):
             wins_v += (_conv_window(qkv_ptr, stride_qkv, start, length, t, src_conv, stride_cs_c, stride_cs_w,
                                     ch_v, W, BW),)
-        tl.debug_barrier()  # this block's state and v conv state are stored in place below
+        tl.debug_barrier()  # this block's v conv state is stored in place below
         for t in tl.static_range(MAX_T):
             tok = start + t
             v = _conv_silu(wins_v[t], w_v, act)
@@ -181,7 +194,8 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
                      dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, lower_bound: float | None,
                      conv_state: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor,
                      state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor | None = None, *,
-                     num_heads: int, head_dim: int, max_query_len: int, out: torch.Tensor | None = None
+                     num_heads: int, head_dim: int, max_query_len: int, out: torch.Tensor | None = None,
+                     block_v: int = BLOCK_V, prefetch: bool = PREFETCH, num_warps: int | None = None
                      ) -> torch.Tensor:
     """KDA over decode rows of 1..max_query_len tokens; returns the gated-normalised output [T, H*K].
 
@@ -191,7 +205,8 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     state_indices [N] gives each request's slot; [N, C] gives checkpoint columns: the state is read from column
     num_accepted_tokens[r] - 1 and the state after token t written to column t. Rows with no tokens or a
     negative slot are skipped, and their output rows left as they are (uninitialised when `out` is None);
-    `out`, if given, is [T, P] in the activation dtype.
+    `out`, if given, is [T, P] in the activation dtype. block_v, prefetch and num_warps are tuning knobs
+    (benchmarks/kernels/tune_kda_native.py); the defaults are the ones measured best on the H200.
     """
     H, K = num_heads, head_dim
     P, W = H * K, conv_weight.shape[-1]
@@ -209,7 +224,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         assert x.stride(-1) == 1, "channels must be contiguous"
     if N == 0 or T == 0:
         return out
-    BV = min(K, BLOCK_V)
+    BV = min(K, block_v)
     _fused_kda_decode_kernel[(N, H)](
         mixed_qkv, raw_gate, raw_beta, output_gate, out,
         conv_weight, A_log, dt_bias, norm_weight,
@@ -220,8 +235,8 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         ssm_state.stride(0), state_indices.stride(0),
         norm_eps, 0.0 if lower_bound is None else lower_bound, K ** -0.5,
         P=P, K=K, W=W, BW=triton.next_power_of_2(W), MAX_T=max_query_len, BV=BV,
-        BOUNDED=lower_bound is not None, SPEC=spec,
-        num_warps=max(1, BV * K // (32 * 16)),  # 16 state elements per thread: see BLOCK_V
+        BOUNDED=lower_bound is not None, SPEC=spec, PREFETCH=prefetch and K > BV,
+        num_warps=num_warps or max(1, BV * K // (32 * 16)),  # 16 state elements per thread: see BLOCK_V
     )
     return out
 
