@@ -35,7 +35,6 @@ L2NORM_EPS = tl.constexpr(1e-6)  # ops.l2norm's default
 # in its coalesced load layout (at 32 it reshuffles it through shared memory), and plain decode at K = 128 needs
 # 64-73 registers (ptxas, sm_90), i.e. 3-4 programs of 8 warps per SM.
 BLOCK_V = 32
-PREFETCH = False
 
 
 @triton.jit
@@ -195,7 +194,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
                      conv_state: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor,
                      state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor | None = None, *,
                      num_heads: int, head_dim: int, max_query_len: int, out: torch.Tensor | None = None,
-                     block_v: int = BLOCK_V, prefetch: bool = PREFETCH, num_warps: int | None = None
+                     block_v: int = BLOCK_V, prefetch: bool | None = None, num_warps: int | None = None
                      ) -> torch.Tensor:
     """KDA over decode rows of 1..max_query_len tokens; returns the gated-normalised output [T, H*K].
 
@@ -225,6 +224,10 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     if N == 0 or T == 0:
         return out
     BV = min(K, block_v)
+    if prefetch is None:
+        # Measured on the H200 at batch 64 (benchmarks/results/gpu/kda_native_tuning.json): prefetching the next
+        # block helps bf16 state (3%) and costs fp32 state (16%), whose blocks already fill the memory pipes.
+        prefetch = ssm_state.dtype == torch.bfloat16
     _fused_kda_decode_kernel[(N, H)](
         mixed_qkv, raw_gate, raw_beta, output_gate, out,
         conv_weight, A_log, dt_bias, norm_weight,
