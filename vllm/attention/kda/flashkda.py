@@ -5,8 +5,8 @@ that FlashInfer's FlashKDA port (attention/kda/flashinfer.py) shares.
 and dt_bias (it applies the bounded gate lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) itself; it has no
 softplus gate), raw beta logits (sigmoid inside), bf16 activations, K = V = 128, and initial/final states
 [N, H, V, K] in bf16 or fp32 — the engine's pool layout, so states go in and out in the pool dtype with no
-conversion. It has no conv, so the conv step here is torch (a vectorised ragged conv over [history | tokens]);
-initial states are gathered from the pool by slot (zeros for fresh prompts) and final states scattered back.
+conversion. It has no conv, so the conv step is ours (attention/kda/conv.py, Triton); initial states are
+gathered from the pool by slot (zeros for fresh prompts) and final states scattered back.
 Facts from FlashKDA's README, csrc/flash_kda.cpp argument checks and csrc/smxx/fwd_kernel1.cuh.
 
 Where it ran: only against a fake `flash_kda` on CPU (tests/attention/test_flashinfer_glue.py); the library
@@ -18,9 +18,9 @@ import importlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from vllm.attention.backend import LayerShapes
+from vllm.attention.kda.conv import causal_conv1d_silu
 from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
 
 # (q, k, v, raw_gate, raw_beta, initial_state, cu_seqlens int64) -> (o [1, T, H, V], final_state [N, H, V, K])
@@ -82,7 +82,7 @@ class FlashKDABackend(KDABackend):
 def run_varlen_prefill(layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
                        output_gate: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, rows: KDARows,
                        kernel: PrefillKernel, state_dtype: torch.dtype) -> torch.Tensor:
-    """The FlashKDA-contract prefill around `kernel`: conv + SiLU here, the recurrence there, gated norm here.
+    """The FlashKDA-contract prefill around `kernel`: conv + SiLU (ours), the recurrence there, gated norm here.
 
     The kernel gets contiguous [1, T, H, K] q/k/v/gate, [1, T, H] beta logits, initial states [N, H, V, K] in
     `state_dtype` (zeros where has_initial_state is False) and int64 cu_seqlens. Rows with no tokens keep their
@@ -96,43 +96,15 @@ def run_varlen_prefill(layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: tor
     if bool((rows.state_indices_cpu < 0).any()):
         # A negative slot would silently index the pool from its end.
         raise ValueError(f"prefill rows need state slots >= 0, got {rows.state_indices_cpu.tolist()}")
-    conv_out, windows = varlen_causal_conv(mixed_qkv[:T], layer.conv_weight, conv_state, slots,
-                                           rows.has_initial_state, qsl)
-    # SiLU output rounded to the activation dtype: that is what the kernel reads.
-    q, k, v = (x.reshape(1, T, H, K).contiguous() for x in F.silu(conv_out).to(act).chunk(3, dim=-1))
+    # Our Triton conv (conv.py): SiLU output rounded to the activation dtype, which is what the kernel reads.
+    x = causal_conv1d_silu(mixed_qkv[:T], layer.conv_weight, conv_state, rows.query_start_loc, rows.state_indices,
+                           rows.has_initial_state, rows.max_query_len)
+    q, k, v = (t.reshape(1, T, H, K).contiguous() for t in x.chunk(3, dim=-1))
     fresh = ~rows.has_initial_state[:, None, None, None]
     h0 = ssm_state[slots].masked_fill(fresh, 0).to(state_dtype).contiguous()
     o, final = kernel(q, k, v, raw_gate[:T].reshape(1, T, H, K).contiguous(),
                       raw_beta[:T].reshape(1, T, H).contiguous(), h0, rows.query_start_loc.long())
     live = (qsl[1:] > qsl[:-1]).nonzero().flatten().to(slots.device)
     ssm_state[slots[live]] = final[live].to(ssm_state.dtype)
-    conv_state[slots[live]] = windows[live].to(conv_state.dtype)
     return layer.o_norm(o.reshape(T, H, K).to(act), output_gate[:T].unflatten(-1, (H, K))).flatten(-2)
 
-
-def varlen_causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                       has_init: torch.Tensor, qsl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of ragged rows, each continuing its slot's history (zeros when not has_init).
-
-    x [T, C]; weight [C, W]; conv_state [slots, C, W-1]; qsl the host offsets [N+1]. Returns the conv output
-    [T, C] in float32 (no activation) and each row's new history [N, C, W-1] (the last W-1 inputs), in x's dtype.
-    Same math as ops.causal_conv1d per row, without a per-row loop over the tensors.
-    """
-    T, C = x.shape
-    w1 = weight.shape[-1] - 1
-    N = slots.shape[0]
-    hist = conv_state[slots].masked_fill(~has_init[:, None, None], 0).to(x.dtype).transpose(1, 2)  # [N, w1, C]
-    src = torch.cat([x, hist.reshape(N * w1, C)])
-    # The extended sequence holds, for each row r, its w1 history rows then its tokens; row r's block starts at
-    # qsl[r] + r*w1, so token t of row r sits at t + (r+1)*w1.
-    ext_idx, tok_pos = [], []
-    for r in range(N):
-        s, e = int(qsl[r]), int(qsl[r + 1])
-        ext_idx += [T + r * w1 + torch.arange(w1), torch.arange(s, e)]
-        tok_pos.append(torch.arange(s, e) + (r + 1) * w1)
-    ext = src[torch.cat(ext_idx).to(x.device)]
-    pos = torch.cat(tok_pos).to(x.device)
-    w = weight.float()
-    out = sum(ext[pos - w1 + j].float() * w[:, j] for j in range(w1 + 1))
-    last = (qsl[1:] + torch.arange(N) * w1)[:, None] + torch.arange(w1)
-    return out, ext[last.to(x.device)].transpose(1, 2)
