@@ -78,6 +78,9 @@ def main() -> None:
     bw = copy_bandwidth_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s")
     results, skipped = [], {}
+    # Rewritten after every row, so a run cut by a time limit keeps what it measured.
+    report = {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS,
+              "skipped": skipped, "results": results}
     for state_dtype in (torch.float32, torch.bfloat16):
         for H in map(int, args.heads.split(",")):
             layer = make_layer(H)
@@ -98,10 +101,10 @@ def main() -> None:
                     gbps = state_bytes / (t["median"] * 1e-6) / 1e9
                     results.append({"backend": name, "heads": H, "batch": B, "state_dtype": str(state_dtype)[6:],
                                     "us": t, "state_gbps": gbps, "pct_copy_bw": 100 * gbps / bw,
-                                        "pct_reference_copy_bw": 100 * gbps / REFERENCE_COPY_GBPS})
+                                    "pct_reference_copy_bw": 100 * gbps / REFERENCE_COPY_GBPS})
+                    write_json(args.out, report)
                     print(f"{str(state_dtype)[6:]:8} H={H:3} B={B:4} {name:16} {t['median']:9.1f} us "
                           f"{100 * gbps / bw:5.1f}% of copy BW", flush=True)
-    write_json(args.out, {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS, "skipped": skipped, "results": results})
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     results, skipped = [], {}
+    # Rewritten after every row, so a run cut by a time limit keeps what it measured.
+    report = {"meta": metadata("cuda"), "skipped": skipped, "results": results}
     for H in map(int, args.heads.split(",")):
         layer = make_layer(H)
         shapes = LayerShapes(kda_num_heads=H, kda_head_dim=K, kda_gate_bounded=True, ssm_state_dtype=torch.float32)
@@ -82,8 +84,8 @@ def main() -> None:
                 t = time_graph(fn, reps=20, calls_per_rep=5, graph=False)
                 results.append({"backend": name, "heads": H, "tokens": T, "ms": {k: v / 1e3 if k != "n" else v
                                                                                   for k, v in t.items()}})
+                write_json(args.out, report)
                 print(f"H={H:3} T={T:6} {name:20} {t['median'] / 1e3:8.3f} ms", flush=True)
-    write_json(args.out, {"meta": metadata("cuda"), "skipped": skipped, "results": results})
 
 
 if __name__ == "__main__":

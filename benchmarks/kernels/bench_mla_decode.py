@@ -62,6 +62,9 @@ def main() -> None:
     bw = copy_bandwidth_gbps()
     print(f"copy bandwidth {bw:.0f} GB/s")
     results, skipped = [], {}
+    # Rewritten after every row, so a run cut by a time limit keeps what it measured.
+    report = {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS,
+              "skipped": skipped, "results": results}
     for H in map(int, args.heads.split(",")):
         shapes = LayerShapes(mla_num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, block_size=BS)
         names = []
@@ -86,11 +89,11 @@ def main() -> None:
                         results.append({"backend": name, "heads": H, "context": ctx, "batch": B, "query_len": qlen,
                                         "us": t, "cache_gbps": gbps, "pct_copy_bw": 100 * gbps / bw,
                                         "pct_reference_copy_bw": 100 * gbps / REFERENCE_COPY_GBPS})
+                        write_json(args.out, report)
                         print(f"H={H:3} ctx={ctx:6} B={B:4} q={qlen} {name:14} {t['median']:9.1f} us "
                               f"{100 * gbps / bw:5.1f}% of copy BW", flush=True)
                     del common, q, latent, kv_cache, w
                     torch.cuda.empty_cache()
-    write_json(args.out, {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS, "skipped": skipped, "results": results})
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def run_pair(attn: KDAAttention, layer, inputs, pools, rows: list[Row], device):
     """One step through `attn`; returns (output, conv_pool, ssm_pool) after the step (pools copied first)."""
     conv, ssm = (p.clone() for p in pools)
     meta = attn.builder(16).build(common_metadata(rows, device))
-    out = attn.forward(layer, *inputs, conv, ssm, meta)
+    with torch.inference_mode():
+        out = attn.forward(layer, *inputs, conv, ssm, meta)
     return out, conv, ssm
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kda_harness import Row, compare_to_reference, random_inputs, random_layer, random_pools
+from vllm.attention.backend import LayerShapes
 from vllm.attention.kda.metadata import KDAAttention
 from vllm.attention.kda.torch_ref import TorchKDABackend
 from vllm.attention.selector import backend_reason, load_backend
@@ -24,7 +25,6 @@ BOUND = {(torch.float32, torch.float32): 2e-3, (torch.float32, torch.bfloat16): 
 
 
 def _backend(flag: str, name: str, dtype: torch.dtype, H: int, bounded: bool, state_dtype: torch.dtype):
-    from vllm.attention.backend import LayerShapes
     shapes = LayerShapes(kda_num_heads=H, kda_head_dim=K, kda_gate_bounded=bounded, ssm_state_dtype=state_dtype)
     reason = backend_reason(flag, name, torch.device("cuda"), dtype, shapes)
     if reason is not None:
@@ -132,3 +132,20 @@ def test_long_prompt_prefill(name, state_dtype):
     inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act, "cuda", gen)
     compare_to_reference(KDAAttention(prefill, TorchKDABackend), layer, inputs, pools, rows, "cuda", 3e-2,
                          ref_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_through_the_split_interface_on_cpu(state_dtype):
+    """The KDA pair on the CPU: torch prefill + native decode (Triton interpreter) in a mixed step, at small
+    shapes. Exercises the decode/prefill split, the token gathers and the output scatter of KDAAttention."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("covered at real shapes by the GPU tests above")
+    from vllm.attention.kda.native import NativeKDABackend
+    gen = torch.Generator().manual_seed(9)
+    layer = random_layer(2, 32, W, -5.0, "cpu", gen)
+    pools = random_pools(layer, 12, W, torch.float32, state_dtype, "cpu", gen)
+    for rows in (MIXED_ROWS[:1] + [Row(1, 9, False, 11)], MIXED_ROWS):  # all-decode, then mixed
+        inputs = random_inputs(layer, sum(r.num_tokens for r in rows), torch.float32, "cpu", gen)
+        compare_to_reference(KDAAttention(TorchKDABackend, NativeKDABackend), layer, inputs, pools, rows, "cpu",
+                             BOUND[torch.float32, state_dtype])
