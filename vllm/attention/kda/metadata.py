@@ -149,7 +149,7 @@ class KDAAttention:
     def forward(self, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
                 output_gate: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 meta: KDAMetadata) -> torch.Tensor:
-        """Tokens beyond meta.num_tokens (graph padding) come back as zeros."""
+        """[T, P]: each group's output at its tokens' positions (zeros at tokens that no group covers)."""
         groups = [(g, fn) for g, fn in ((meta.decode, self.decode.forward_decode),
                                         (meta.prefill, self.prefill.forward_prefill)) if g is not None]
         out = None
