@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from kda_harness import random_layer, rel_err
 
 from vllm.attention.backend import AttentionCGSupport, CommonAttentionMetadata, LayerShapes
 from vllm.attention.kda.flashinfer import FlashInferKDABackend
@@ -26,7 +27,6 @@ from vllm.attention.kda.ops import kda_chunked, kda_gate, kda_recurrent, l2norm
 from vllm.attention.kda.torch_ref import TorchKDABackend
 from vllm.attention.mla.flashinfer_mla import FlashInferMLABackend, FlashInferMLAMetadataBuilder
 from vllm.attention.mla.torch_ref import TorchMLABackend
-from vllm.model_executor.layers.layernorm import RMSNormGated
 
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 D = 128  # the libraries' KDA head dim
@@ -236,18 +236,9 @@ class Row:
     slot: int
 
 
-def _kda_layer(H: int, lower_bound: float | None, gen: torch.Generator):
-    P = H * D
-    norm = RMSNormGated(D, eps=1e-5)
-    norm.weight.data = 1 + 0.1 * torch.randn(D, generator=gen)
-    return types.SimpleNamespace(
-        num_heads=H, head_dim=D, gate_lower_bound=lower_bound, conv_weight=torch.randn(3 * P, 4, generator=gen) * 0.5,
-        A_log=torch.randn(H, generator=gen) * 0.5, dt_bias=torch.randn(P, generator=gen) * 0.5, o_norm=norm)
-
-
 def _kda_step(H: int, rows: list[Row], lower_bound, state_dtype, seed: int, slots: int = 12, sd_conv: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    layer = _kda_layer(H, lower_bound, gen)
+    layer = random_layer(H, D, 4, lower_bound, "cpu", gen)
     P, T = H * D, sum(r.num_tokens for r in rows)
     conv = torch.randn(slots, 3 * P, 3, generator=gen).to(BF16)
     if sd_conv:  # the kernel's own layout: [slots, 3P, 3] with strides [slot, 1, 3P]
@@ -274,15 +265,10 @@ def _run_kda(attn: KDAAttention, layer, inputs, pools, common):
     return out, conv, ssm
 
 
-def _rel_err(got, want) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
 def _assert_matches_torch(attn: KDAAttention, layer, inputs, pools, common, bound: float):
     got = _run_kda(attn, layer, inputs, pools, common)
     want = _run_kda(KDAAttention(TorchKDABackend, TorchKDABackend), layer, inputs, pools, common)
-    errs = {name: _rel_err(g, w) for name, g, w in zip(("out", "conv", "ssm"), got, want)}
+    errs = {name: rel_err(g, w) for name, g, w in zip(("out", "conv", "ssm"), got, want)}
     assert max(errs.values()) <= bound, errs
     return got
 
@@ -407,7 +393,7 @@ def _assert_mla_matches_torch(builder, step, layers: int = 2):
     want = TorchMLABackend.forward(q, latent, ref_cache, w_kvb, NOPE, V_DIM, SCALE,
                                    TorchMLABackend.builder(BS).build(common))
     assert torch.equal(cache, ref_cache)  # the new latent rows, written by slot
-    assert _rel_err(got, want) <= 2e-2
+    assert rel_err(got, want) <= 2e-2
 
 
 def test_trtllm_ragged_decode_matches_torch(fakes):

@@ -21,7 +21,7 @@ import torch
 
 from vllm.attention.backend import LayerShapes
 from vllm.attention.kda.conv import causal_conv1d_silu
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
 
 # (q, k, v, raw_gate, raw_beta, initial_state, cu_seqlens int64) -> (o [1, T, H, V], final_state [N, H, V, K])
 PrefillKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -106,5 +106,5 @@ def run_varlen_prefill(layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: tor
                       raw_beta[:T].reshape(1, T, H).contiguous(), h0, rows.query_start_loc.long())
     live = (qsl[1:] > qsl[:-1]).nonzero().flatten().to(slots.device)
     ssm_state[slots[live]] = final[live].to(ssm_state.dtype)
-    return layer.o_norm(o.reshape(T, H, K).to(act), output_gate[:T].unflatten(-1, (H, K))).flatten(-2)
+    return gated_norm(layer, o.reshape(T, H, K), output_gate[:T], act)
 

@@ -29,6 +29,13 @@ class KDAWeights(Protocol):
     o_norm: Any  # RMSNormGated: .weight [K], .eps, called as o_norm(x, gate)
 
 
+def gated_norm(layer: KDAWeights, core: torch.Tensor, output_gate: torch.Tensor,
+               act_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's gated RMSNorm of the core output [T, H, V] (rounded to the activation dtype first, as the
+    kernels store it) with output_gate [T, P]; returns [T, P]."""
+    return layer.o_norm(core.to(act_dtype), output_gate.unflatten(-1, (layer.num_heads, -1))).flatten(-2)
+
+
 @dataclass(slots=True)
 class KDARows:
     """A group of requests one KDA kernel runs, over the group's own tokens (gathered if needed)."""

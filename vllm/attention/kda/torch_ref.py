@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
 from vllm.attention.kda.ops import acc, causal_conv1d, kda_chunked, kda_gate, kda_recurrent, l2norm
 
 
@@ -49,7 +49,7 @@ class TorchKDABackend(KDABackend):
         o, S = kda_recurrent(q.reshape(1, T * H, K), k.reshape(1, T * H, K), v.reshape(1, T * H, K),
                              g.reshape(1, T * H, K), beta.reshape(1, T * H), ssm_state[slots].reshape(T * H, K, K))
         ssm_state[slots] = S.view(T, H, K, K).to(ssm_state.dtype)
-        return _gated_norm(layer, o.view(T, H, K), output_gate[:T], mixed_qkv.dtype)
+        return gated_norm(layer, o.view(T, H, K), output_gate[:T], mixed_qkv.dtype)
 
     @staticmethod
     def _per_request(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, kda):
@@ -70,11 +70,7 @@ class TorchKDABackend(KDABackend):
             state = ssm_state[slot] if has_init else acc(torch.zeros_like(ssm_state[slot]))
             core[s:e], final = kda(q, k, v, g[s:e], beta[s:e], state)
             ssm_state[slot] = final.to(ssm_state.dtype)
-        return _gated_norm(layer, core, output_gate[:T], mixed_qkv.dtype)
-
-
-def _gated_norm(layer: KDAWeights, core: torch.Tensor, output_gate: torch.Tensor, act_dtype: torch.dtype):
-    return layer.o_norm(core.to(act_dtype), output_gate.unflatten(-1, (layer.num_heads, -1))).flatten(-2)
+        return gated_norm(layer, core, output_gate[:T], mixed_qkv.dtype)
 
 
 def _qkv(conv_out: torch.Tensor, act_dtype: torch.dtype, H: int, K: int):

@@ -16,7 +16,7 @@ import torch
 
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
 from vllm.attention.kda.conv import causal_conv1d_silu
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
 
 
 class TritonFLAKDABackend(KDABackend):
@@ -49,7 +49,7 @@ class TritonFLAKDABackend(KDABackend):
             state_v_first=True, cu_seqlens=rows.query_start_loc, ssm_state_indices=rows.state_indices,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             lower_bound=layer.gate_lower_bound)
-        return _gated_norm(layer, o[0], output_gate[:T])
+        return gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
 
     @classmethod
     def forward_prefill(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
@@ -79,7 +79,7 @@ class TritonFLAKDABackend(KDABackend):
                                                inplace_final_state=False, cu_seqlens=rows.query_start_loc,
                                                **gate_args)
         ssm_state[slots] = final.to(ssm_state.dtype)
-        return _gated_norm(layer, o[0], output_gate[:T])
+        return gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
 
 
 def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, rows: KDARows):
@@ -89,6 +89,3 @@ def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, 
                            rows.state_indices, rows.has_initial_state, rows.max_query_len)
     return (t.contiguous().view(1, T, H, K) for t in x.chunk(3, dim=-1))
 
-
-def _gated_norm(layer: KDAWeights, o: torch.Tensor, output_gate: torch.Tensor) -> torch.Tensor:
-    return layer.o_norm(o, output_gate.unflatten(-1, (layer.num_heads, -1))).flatten(-2)
