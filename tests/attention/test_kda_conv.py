@@ -11,7 +11,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ragged_conv_matches_reference(device, dtype):
+@pytest.mark.parametrize("num_splits,tile", [(1, {}), (3, {}), (3, dict(block_t=4, block_c=16, num_warps=2))],
+                         ids=["one_split", "qkv_splits", "small_tiles"])
+def test_ragged_conv_matches_reference(device, dtype, num_splits, tile):
     pytest.importorskip("triton")
     from vllm.attention.kda.conv import causal_conv1d_silu
     gen = torch.Generator().manual_seed(0)
@@ -29,7 +31,10 @@ def test_ragged_conv_matches_reference(device, dtype):
     x, weight, state, qsl = (t.to(device) for t in (x, weight, state, qsl))
     ref_state = state.clone()
     y = causal_conv1d_silu(x, weight, state, qsl, torch.tensor(slot_ids, dtype=torch.int32, device=device),
-                           torch.tensor(has_init, device=device), max_query_len=max(lens))
+                           torch.tensor(has_init, device=device), max_query_len=max(lens), num_splits=num_splits,
+                           **tile)
+    assert y.shape == (num_splits, T, C // num_splits)
+    y = y.permute(1, 0, 2).reshape(T, C)  # back to [T, C]: split s holds channels s*C/n .. (s+1)*C/n
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for r, (n, slot, init) in enumerate(zip(lens, slot_ids, has_init)):
         s = int(qsl[r])

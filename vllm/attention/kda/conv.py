@@ -14,8 +14,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C, stride_x, stride_slot,
-                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C, C_SPLIT, T_TOTAL, stride_x,
+                 stride_slot, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -38,7 +38,9 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C,
         wt = tl.load(w_ptr + c * W + w, mask=c_ok, other=0.0).to(tl.float32)
         acc += (from_x + hist) * wt[None, :]
     y = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+    # y is [C // C_SPLIT, T_TOTAL, C_SPLIT]: channel c lands in split c // C_SPLIT, column c % C_SPLIT.
+    col = (c // C_SPLIT).to(tl.int64) * T_TOTAL * C_SPLIT + c % C_SPLIT
+    tl.store(y_ptr + (start + t)[:, None].to(tl.int64) * C_SPLIT + col[None, :], y.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 
@@ -68,23 +70,29 @@ def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, strid
 
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                        query_start_loc: torch.Tensor, state_indices: torch.Tensor,
-                       has_initial_state: torch.Tensor, max_query_len: int) -> torch.Tensor:
+                       has_initial_state: torch.Tensor, max_query_len: int, num_splits: int = 1,
+                       block_t: int = 64, block_c: int = 128, num_warps: int = 4) -> torch.Tensor:
     """x [T, C] (rows by query_start_loc [N+1]); weight [C, W]; conv_state [slots, C, W-1], updated in place.
 
-    Returns SiLU(conv(x)) [T, C] in x's dtype. Rows with no tokens or a negative slot are skipped.
+    Returns SiLU(conv(x)) in x's dtype as [num_splits, T, C // num_splits]: with 3 splits q, k and v each come
+    out contiguous, saving the copy a kernel wanting contiguous q/k/v would make. Rows with no tokens or a
+    negative slot are skipped. block_t, block_c and num_warps are tuning knobs (same results).
     """
     T, C = x.shape
     W = weight.shape[1]
     N = state_indices.shape[0]
     assert x.stride(1) == 1 and conv_state.stride(2) == 1 and conv_state.stride(1) == W - 1
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if C % num_splits:
+        raise ValueError(f"{C} channels do not split into {num_splits} equal parts")
+    y = torch.empty(num_splits, T, C // num_splits, dtype=x.dtype, device=x.device)
     if N == 0 or T == 0:
         return y
     init = has_initial_state.to(torch.int8)
-    block_t = min(64, triton.next_power_of_2(max(max_query_len, 1)))
-    grid = (N, triton.cdiv(max(max_query_len, 1), block_t), triton.cdiv(C, 128))
-    _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C, x.stride(0),
-                       conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=128)
+    block_t = min(block_t, triton.next_power_of_2(max(max_query_len, 1)))
+    grid = (N, triton.cdiv(max(max_query_len, 1), block_t), triton.cdiv(C, block_c))
+    _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C, C // num_splits, T,
+                       x.stride(0), conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
+                       num_warps=num_warps)
     _update_state_kernel[(N, triton.cdiv(C, 256))](x, conv_state, query_start_loc, state_indices, init, C,
                                                    x.stride(0), conv_state.stride(0), W=W, WP=triton.next_power_of_2(W - 1),
                                                    BLOCK_C=256)

@@ -21,7 +21,8 @@ import torch
 
 from vllm.attention.backend import LayerShapes
 from vllm.attention.kda.conv import causal_conv1d_silu
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.norm import fused_gated_norm
 
 # (q, k, v, raw_gate, raw_beta, initial_state, cu_seqlens int64) -> (o [1, T, H, V], final_state [N, H, V, K])
 PrefillKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -98,13 +99,13 @@ def run_varlen_prefill(layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: tor
         raise ValueError(f"prefill rows need state slots >= 0, got {rows.state_indices_cpu.tolist()}")
     # Our Triton conv (conv.py): SiLU output rounded to the activation dtype, which is what the kernel reads.
     x = causal_conv1d_silu(mixed_qkv[:T], layer.conv_weight, conv_state, rows.query_start_loc, rows.state_indices,
-                           rows.has_initial_state, rows.max_query_len)
-    q, k, v = (t.reshape(1, T, H, K).contiguous() for t in x.chunk(3, dim=-1))
+                           rows.has_initial_state, rows.max_query_len, num_splits=3)
+    q, k, v = (t.view(1, T, H, K) for t in x)
     fresh = ~rows.has_initial_state[:, None, None, None]
     h0 = ssm_state[slots].masked_fill(fresh, 0).to(state_dtype).contiguous()
     o, final = kernel(q, k, v, raw_gate[:T].reshape(1, T, H, K).contiguous(),
                       raw_beta[:T].reshape(1, T, H).contiguous(), h0, rows.query_start_loc.long())
     live = (qsl[1:] > qsl[:-1]).nonzero().flatten().to(slots.device)
     ssm_state[slots[live]] = final[live].to(ssm_state.dtype)
-    return gated_norm(layer, o.reshape(T, H, K), output_gate[:T], act)
+    return fused_gated_norm(layer, o.reshape(T, H, K), output_gate[:T], act)
 

@@ -4,7 +4,7 @@ Prefill: `chunk_kda` over all prompt chunks as one varlen sequence batch (cu_seq
 gathered from the pool (zeros for fresh prompts; fla takes fp32 initial states only) and final states
 scattered back in the pool's dtype. Decode: `fused_recurrent_kda_fwd` reads and writes the pool in place by
 state index. Both compute the gate, l2norm and beta sigmoid in-kernel; the conv is ours (conv.py), since
-fla keeps conv states in another layout, and the gated RMSNorm runs in torch.
+fla keeps conv states in another layout, and the gated RMSNorm is our one-launch kernel (norm.py).
 
 fla's in-place pool path writes the state after token t to index column t of the row, so rows of more than
 one token with one slot each (1-D indices) would write into their neighbours' slots: such decode groups
@@ -16,7 +16,8 @@ import torch
 
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
 from vllm.attention.kda.conv import causal_conv1d_silu
-from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
+from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.norm import fused_gated_norm
 
 
 class TritonFLAKDABackend(KDABackend):
@@ -49,7 +50,7 @@ class TritonFLAKDABackend(KDABackend):
             state_v_first=True, cu_seqlens=rows.query_start_loc, ssm_state_indices=rows.state_indices,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             lower_bound=layer.gate_lower_bound)
-        return gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
+        return fused_gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
 
     @classmethod
     def forward_prefill(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
@@ -79,13 +80,13 @@ class TritonFLAKDABackend(KDABackend):
                                                inplace_final_state=False, cu_seqlens=rows.query_start_loc,
                                                **gate_args)
         ssm_state[slots] = final.to(ssm_state.dtype)
-        return gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
+        return fused_gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
 
 
 def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, rows: KDARows):
     """Conv + SiLU, then q, k, v as [1, T, H, K] views for fla."""
     T, H, K = rows.num_tokens, layer.num_heads, layer.head_dim
     x = causal_conv1d_silu(mixed_qkv[:T], layer.conv_weight, conv_state, rows.query_start_loc,
-                           rows.state_indices, rows.has_initial_state, rows.max_query_len)
-    return (t.contiguous().view(1, T, H, K) for t in x.chunk(3, dim=-1))
+                           rows.state_indices, rows.has_initial_state, rows.max_query_len, num_splits=3)
+    return (t.view(1, T, H, K) for t in x)
 
