@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--conv-only", action="store_true", help="only the conv tile sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     layer = make_layer(args.heads)
@@ -39,7 +40,7 @@ def main() -> None:
     backend = load_backend("--kda-prefill-backend", "triton")
     runs = {"triton backend": lambda: backend.forward_prefill(layer, *inputs, conv, ssm, rows),
             "fla chunk_kda alone": fla_chunk_only(layer, rows, inputs)}
-    for name, fn in runs.items():
+    for name, fn in ({} if args.conv_only else runs).items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()

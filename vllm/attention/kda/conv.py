@@ -14,34 +14,38 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C, C_SPLIT, T_TOTAL, stride_x,
+def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C_SPLIT, T_TOTAL, stride_x,
                  stride_slot, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # Programs tile each split separately, so a block's output columns are contiguous in y [splits, T, C_SPLIT].
+    blocks_per_split = tl.cdiv(C_SPLIT, BLOCK_C)
+    split = tl.program_id(2) // blocks_per_split
+    c_in = (tl.program_id(2) % blocks_per_split) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = split * C_SPLIT + c_in
     start = tl.load(qsl_ptr + r)
     length = tl.load(qsl_ptr + r + 1) - start
     slot = tl.load(slot_ptr + r).to(tl.int64)
     if (t0 >= length) | (slot < 0):
         return
-    has_init = tl.load(init_ptr + r) != 0
     t = t0 + tl.arange(0, BLOCK_T)
-    c_ok = c < C
+    c_ok = c_in < C_SPLIT
     t_ok = t < length
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for w in tl.static_range(W):
         j = t - (W - 1) + w  # the row-local input this tap reads; negative means the cached history
-        from_x = tl.load(x_ptr + (start + j)[:, None].to(tl.int64) * stride_x + c[None, :],
-                         mask=(j >= 0)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-        hist = tl.load(state_ptr + slot * stride_slot + c[None, :] * (W - 1) + (W - 1 + j)[:, None],
-                       mask=((j < 0) & has_init)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        tap = tl.load(x_ptr + (start + j)[:, None].to(tl.int64) * stride_x + c[None, :],
+                      mask=(j >= 0)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        if t0 < W - 1:  # only a row's first tokens reach back into the cached history
+            has_init = tl.load(init_ptr + r) != 0
+            tap += tl.load(state_ptr + slot * stride_slot + c[None, :] * (W - 1) + (W - 1 + j)[:, None],
+                           mask=((j < 0) & has_init)[:, None] & t_ok[:, None] & c_ok[None, :],
+                           other=0.0).to(tl.float32)
         wt = tl.load(w_ptr + c * W + w, mask=c_ok, other=0.0).to(tl.float32)
-        acc += (from_x + hist) * wt[None, :]
+        acc += tap * wt[None, :]
     y = acc * tl.sigmoid(acc)
-    # y is [C // C_SPLIT, T_TOTAL, C_SPLIT]: channel c lands in split c // C_SPLIT, column c % C_SPLIT.
-    col = (c // C_SPLIT).to(tl.int64) * T_TOTAL * C_SPLIT + c % C_SPLIT
-    tl.store(y_ptr + (start + t)[:, None].to(tl.int64) * C_SPLIT + col[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & c_ok[None, :])
+    out = y_ptr + split.to(tl.int64) * T_TOTAL * C_SPLIT + (start + t)[:, None].to(tl.int64) * C_SPLIT
+    tl.store(out + c_in[None, :], y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -71,7 +75,7 @@ def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, strid
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                        query_start_loc: torch.Tensor, state_indices: torch.Tensor,
                        has_initial_state: torch.Tensor, max_query_len: int, num_splits: int = 1,
-                       block_t: int = 64, block_c: int = 128, num_warps: int = 4) -> torch.Tensor:
+                       block_t: int = 32, block_c: int = 128, num_warps: int = 4) -> torch.Tensor:
     """x [T, C] (rows by query_start_loc [N+1]); weight [C, W]; conv_state [slots, C, W-1], updated in place.
 
     Returns SiLU(conv(x)) in x's dtype as [num_splits, T, C // num_splits]: with 3 splits q, k and v each come
@@ -89,8 +93,8 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
         return y
     init = has_initial_state.to(torch.int8)
     block_t = min(block_t, triton.next_power_of_2(max(max_query_len, 1)))
-    grid = (N, triton.cdiv(max(max_query_len, 1), block_t), triton.cdiv(C, block_c))
-    _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C, C // num_splits, T,
+    grid = (N, triton.cdiv(max(max_query_len, 1), block_t), num_splits * triton.cdiv(C // num_splits, block_c))
+    _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C // num_splits, T,
                        x.stride(0), conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
                        num_warps=num_warps)
     _update_state_kernel[(N, triton.cdiv(C, 256))](x, conv_state, query_start_loc, state_indices, init, C,
