@@ -151,9 +151,56 @@ class SpeculativeConfig:
         return cls(**data)
 
 
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+COMPILATION_CONFIG_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
+DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
+
+
 @dataclass(slots=True)
 class CompilationConfig:
+    """`--compilation-config '{"cudagraph_mode": ..., "cudagraph_capture_sizes": [...]}'` and `--enforce-eager`.
+
+    cudagraph_mode: NONE (eager), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with
+    a prefill row; the GPU default) or FULL (graphs for mixed batches too, only if every backend is ALWAYS).
+    Capture sizes are token counts; None picks 1, 2, 4, 8 and multiples of 8 up to max_cudagraph_capture_size
+    (rounded to multiples of 1 + num_speculative_tokens by the runner). `enforce_eager` forces NONE.
+    """
     enforce_eager: bool = False
+    cudagraph_mode: str | None = None  # None: FULL_DECODE_ONLY on CUDA, NONE elsewhere
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+
+    def __post_init__(self) -> None:
+        flag = "--compilation-config"
+        _require(self.cudagraph_mode is None or self.cudagraph_mode in CUDAGRAPH_MODES, f"{flag} cudagraph_mode",
+                 self.cudagraph_mode, f"one of {', '.join(CUDAGRAPH_MODES)}")
+        sizes = self.cudagraph_capture_sizes
+        _require(sizes is None or (isinstance(sizes, list) and all(_is_int(n) and n >= 1 for n in sizes)),
+                 f"{flag} cudagraph_capture_sizes", sizes, "a list of token counts >= 1")
+        _require(_is_int(self.max_cudagraph_capture_size) and self.max_cudagraph_capture_size >= 1,
+                 f"{flag} max_cudagraph_capture_size", self.max_cudagraph_capture_size, "an integer >= 1")
+        if sizes is not None:
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+
+    @classmethod
+    def from_json(cls, text_or_dict: str | dict | None, enforce_eager: bool = False) -> CompilationConfig:
+        flag = "--compilation-config"
+        data = text_or_dict or {}
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag}={text_or_dict!r} is not valid JSON: {e}") from None
+        _require(isinstance(data, dict), flag, text_or_dict, 'a JSON object such as {"cudagraph_mode": "FULL"}')
+        unknown = sorted(k for k in data if k not in COMPILATION_CONFIG_KEYS)
+        _require(not unknown, f"{flag} keys", unknown, f"only the keys {', '.join(COMPILATION_CONFIG_KEYS)}")
+        return cls(enforce_eager=enforce_eager, **data)
+
+    def resolved_mode(self, device: torch.device) -> str:
+        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag or FULL_DECODE_ONLY."""
+        if self.enforce_eager or device.type != "cuda":
+            return "NONE"
+        return self.cudagraph_mode or "FULL_DECODE_ONLY"
 
 
 @dataclass(slots=True)
@@ -163,3 +210,8 @@ class VllmConfig:
     scheduler_config: SchedulerConfig
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0

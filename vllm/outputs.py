@@ -24,6 +24,19 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Speculative decoding (summed over the n samples): verifications with >= 1 draft, proposed draft tokens,
+    # accepted ones, and per draft position how often it was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] | None = None
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verify step (1 + accepted / drafts); None without speculation."""
+        if self.spec_num_accepted_tokens_per_pos is None:
+            return None
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 1.0
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ def make(budget=32, max_seqs=4, blocks=100, slots=4, block_size=4) -> Scheduler:
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update_from_output(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+    s.update_from_output(out, {x.request.request_id: [token] for x in out.scheduled if x.samples})
     return out
 
 
@@ -60,7 +60,7 @@ def test_preemption_frees_and_requeues_the_newest():
     assert out.preempted_ids == ["b"] and [x.request.request_id for x in out.scheduled] == ["a"]
     b = s.requests["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.waiting[0] is b
-    assert "b" not in s.kv.req_blocks and "b" not in s.kv.req_slot
+    assert "b" not in s.kv.req_blocks and "b" not in s.kv.req_slots
     assert b.num_tokens == 9  # keeps its generated tokens; it is prefilled again with them
 
 
@@ -73,7 +73,7 @@ def test_abort_and_stop_free_everything():
     s.abort(["c"])
     while s.num_unfinished:
         out = s.schedule()
-        s.update_from_output(out, {x.request.request_id: 9 for x in out.scheduled if x.samples})
+        s.update_from_output(out, {x.request.request_id: [9] for x in out.scheduled if x.samples})
     s.kv.assert_all_free()
 
 

@@ -48,8 +48,13 @@ class CommonAttentionMetadata:
     block_table: torch.Tensor  # device int32 [B, max_blocks]: MLA latent-cache blocks per request
     slot_mapping: torch.Tensor  # device int64 [num_tokens]: latent-cache row per token, -1 for padding
     is_prefilling: torch.Tensor  # cpu bool [B]: request state (a prompt chunk), not the row's shape
-    state_indices: torch.Tensor  # device int32 [B]: KDA recurrent-state slot per request
-    state_indices_cpu: torch.Tensor  # cpu int32 [B]: the same, for host-side loops (no device sync)
+    # KDA recurrent-state slots: device int32 [B], or [B, 1 + K] checkpoint columns with speculative decoding.
+    state_indices: torch.Tensor
+    state_indices_cpu: torch.Tensor  # cpu int32, the same shape: for host-side loops (no device sync)
+    # Speculative decoding: the row's tag (cpu int32 [B]): its draft count if it verifies, -1 for a prefill row;
+    # and device int32 [B] tokens each request kept last step (KDA reads checkpoint column this - 1).
+    num_draft_tokens: torch.Tensor | None = None
+    num_accepted_tokens: torch.Tensor | None = None
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -90,6 +95,7 @@ class LayerShapes:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     block_size: int = 0
+    num_speculative_tokens: int = 0  # > 0: KDA decode must write checkpoint columns
 
 
 class AttentionBackend(ABC):

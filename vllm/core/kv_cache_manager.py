@@ -1,7 +1,9 @@
 """KVCacheManager: MLA latent blocks and KDA recurrent-state slots per request.
 
-Blocks grow with a request's length; a KDA state slot is held for the request's whole life. Everything is
-returned on finish, abort and preemption; `assert_all_free` is the invariant tests check after each run.
+Blocks grow with a request's length; KDA state slots are held for the request's whole life: one, or with
+speculative decoding 1 + num_speculative_tokens checkpoint slots (the state after each verified token goes to
+its own column, so a rejected draft leaves nothing to undo). Everything is returned on finish, abort and
+preemption; `assert_all_free` is the invariant tests check after each run.
 """
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ NULL_STATE_SLOT = 0
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, needs_blocks: bool,
-                 needs_slots: bool) -> None:
+                 needs_slots: bool, slots_per_request: int = 1) -> None:
         self.block_size = block_size
         self.needs_blocks, self.needs_slots = needs_blocks, needs_slots
+        self.slots_per_request = slots_per_request
         self.block_pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
         self.free_slots: list[int] = list(range(NULL_STATE_SLOT + 1, num_state_slots))[::-1]
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_slot: dict[str, int] = {}
+        self.req_slots: dict[str, list[int]] = {}
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         if not self.needs_blocks:
@@ -32,10 +35,10 @@ class KVCacheManager:
         return max(0, total - len(self.req_blocks.get(request.request_id, ())))
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Reserve cache room for `num_new_tokens` more tokens (and a state slot); False if it does not fit."""
+        """Reserve cache room for `num_new_tokens` more tokens (and state slots); False if it does not fit."""
         rid = request.request_id
-        need_slot = self.needs_slots and rid not in self.req_slot
-        if need_slot and not self.free_slots:
+        need_slot = self.needs_slots and rid not in self.req_slots
+        if need_slot and len(self.free_slots) < self.slots_per_request:
             return False
         n = self.blocks_needed(request, num_new_tokens)
         if n > self.block_pool.num_free:
@@ -43,20 +46,19 @@ class KVCacheManager:
         if n:
             self.req_blocks.setdefault(rid, []).extend(self.block_pool.allocate(n))
         if need_slot:
-            self.req_slot[rid] = self.free_slots.pop()
+            self.req_slots[rid] = [self.free_slots.pop() for _ in range(self.slots_per_request)]
         return True
 
     def free(self, request: Request) -> None:
         self.block_pool.free(self.req_blocks.pop(request.request_id, []))
-        slot = self.req_slot.pop(request.request_id, None)
-        if slot is not None:
-            self.free_slots.append(slot)
+        self.free_slots.extend(self.req_slots.pop(request.request_id, []))
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 
-    def state_slot(self, request_id: str) -> int:
-        return self.req_slot.get(request_id, NULL_STATE_SLOT)
+    def state_slots(self, request_id: str) -> list[int]:
+        """The request's checkpoint slots (column 0 first), or the null slot for each column if it has none."""
+        return self.req_slots.get(request_id) or [NULL_STATE_SLOT] * self.slots_per_request
 
     @property
     def usage(self) -> tuple[float, float]:
@@ -68,8 +70,8 @@ class KVCacheManager:
         return blocks, slots
 
     def assert_all_free(self) -> None:
-        assert not self.req_blocks and not self.req_slot, (
-            f"leaked: blocks held by {sorted(self.req_blocks)}, slots held by {sorted(self.req_slot)}")
+        assert not self.req_blocks and not self.req_slots, (
+            f"leaked: blocks held by {sorted(self.req_blocks)}, slots held by {sorted(self.req_slots)}")
         assert self.block_pool.num_free == self.block_pool.num_blocks, "block pool is missing blocks"
         assert sorted(self.free_slots) == list(range(NULL_STATE_SLOT + 1, self.num_state_slots)), (
             "state slot pool is missing slots")

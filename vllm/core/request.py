@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.spec_decode.metrics import SpecDecodeStats
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +42,14 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Speculative decoding. `speculate`: the engine may draft for this request (its sampling needs nothing the
+    # rejection sampler lacks). `spec_token_ids`: drafts proposed after the last step, verified in the next one.
+    # `num_accepted_tokens`: tokens the last step kept (1 + accepted drafts); KDA layers read the state from
+    # checkpoint column num_accepted_tokens - 1.
+    speculate: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_accepted_tokens: int = 1
+    spec_stats: SpecDecodeStats | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,13 @@ longer than the budget is prefilled in chunks; prefill and decode rows mix freel
 cannot get cache room, the most recently admitted running request is preempted by recompute: its blocks
 and state slot are freed and it goes back to the front of the queue to be prefilled again (prompt plus
 the tokens it already generated), which gives the same tokens as if it had never been interrupted.
+
+Speculative decoding: a decoding request with drafts runs 1 + drafts tokens (drafts trimmed to the budget),
+with cache room reserved for all of them. A request with prior state whose prompt has exactly one token left
+runs that token padded with placeholder drafts (-1) as a verify row, not a prefill (the padded prompt tail:
+the placeholders are always rejected, and a prefill kernel would fold them into the only saved state). A
+row's kind follows the request's state, never its token count: a prompt chunk of exactly 1 + K tokens is
+still a prefill.
 """
 from __future__ import annotations
 
@@ -15,14 +22,22 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
+from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens computed for this request in this step
+    num_tokens: int  # tokens computed for this request in this step, drafts included
     is_prefilling: bool  # request state: a prompt (or recompute) chunk, whatever its length
     samples: bool  # the step reaches the request's last known token, so a new token is sampled
+    draft_token_ids: list[int] = field(default_factory=list)  # verified this step; -1 = placeholder
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """The row's tag: its draft count if it verifies (0 allowed), -1 for a prefill row."""
+        return -1 if self.is_prefilling else len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -32,12 +47,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.num_spec = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -50,20 +68,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            drafts = self._drafts(req, n, budget)
+            while not self.kv.allocate_slots(req, n + len(drafts)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled.append((req, n))
-                budget -= n
+                scheduled.append((req, n, drafts))
+                budget -= n + len(drafts)
                 i += 1
         # New work only when nothing was preempted: admitting now would just evict it again.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
@@ -77,37 +96,63 @@ class Scheduler:
             req.num_prefill_tokens = req.num_tokens
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append((req, n, []))
             budget -= n
-        out.scheduled = [ScheduledRequest(req, n, req.is_prefilling, req.num_computed_tokens + n == req.num_tokens)
-                         for req, n in scheduled]
+        out.scheduled = [ScheduledRequest(req, n + len(drafts), req.is_prefilling and not drafts,
+                                          req.num_computed_tokens + n == req.num_tokens, drafts)
+                         for req, n, drafts in scheduled]
         return out
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a running request verifies this step, given n known tokens scheduled and the budget."""
+        room = budget - n
+        if not req.is_prefilling:
+            return req.spec_token_ids[:room]
+        # The padded prompt tail: one prompt token left and prior state to continue from.
+        if (self.num_spec and req.speculate and req.num_computed_tokens > 0
+                and req.num_tokens - req.num_computed_tokens == 1 == n):
+            k = min(self.num_spec, room, self.config.max_model_len - req.num_tokens)
+            return [PLACEHOLDER_TOKEN_ID] * max(k, 0)
+        return []
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
+        req.num_accepted_tokens = 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the scheduled requests, append their sampled tokens, and finish those that stop.
 
-        Returns the requests that got a new token this step (finished ones included, with their status).
+        `sampled` holds each sampling request's new tokens: its accepted drafts, then one more. Returns the
+        requests that got new tokens this step (finished ones included, with their status).
         """
         updated = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_tokens
+            tokens = sampled[req.request_id] if s.samples else []
+            accepted = max(len(tokens) - 1, 0)
+            # Rejected drafts were computed but are not part of the sequence: the next step overwrites them.
+            req.num_computed_tokens += s.num_tokens - len(s.draft_token_ids) + accepted
+            req.num_accepted_tokens = 1 + accepted
+            req.spec_token_ids = []
+            real = sum(t != PLACEHOLDER_TOKEN_ID for t in s.draft_token_ids)
+            for stats in (req.spec_stats, self.spec_stats):
+                if stats is not None:
+                    stats.observe(real, min(accepted, real))
             if not s.samples:
                 continue
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            status = req.check_stop(token)
-            if status is not None:
-                self.finish(req, status)
+            for token in tokens:
+                req.output_token_ids.append(token)
+                status = req.check_stop(token)
+                if status is not None:
+                    self.finish(req, status)
+                    break
             updated.append(req)
         return updated
 

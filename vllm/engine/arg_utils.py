@@ -10,7 +10,8 @@ import torch
 
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
-                         CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, VllmConfig)
+                         CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                         VllmConfig)
 from vllm.model_executor.model_loader import read_config_json, resolve_dtype
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 
@@ -37,6 +38,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     kda_prefill_backend: str = "auto"
     kda_decode_backend: str = "auto"
+    speculative_config: str | dict | None = None  # JSON text (CLI) or a dict (LLM(...))
+    compilation_config: str | dict | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,6 +70,11 @@ class EngineArgs:
                        help="MLA backend")
         g.add_argument("--kda-prefill-backend", default=d.kda_prefill_backend, choices=KDA_PREFILL_BACKENDS)
         g.add_argument("--kda-decode-backend", default=d.kda_decode_backend, choices=KDA_DECODE_BACKENDS)
+        g.add_argument("--speculative-config", default=None,
+                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                            '"prompt_lookup_max": 4}\'')
+        g.add_argument("--compilation-config", "-O", default=None,
+                       help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}\'')
         return parser
 
     @classmethod
@@ -97,7 +105,9 @@ class EngineArgs:
                                              max_num_batched_tokens=self.max_num_batched_tokens,
                                              max_model_len=max_model_len),
             kernel_config=KernelConfig(self.attention_backend, self.kda_prefill_backend, self.kda_decode_backend),
-            compilation_config=CompilationConfig(enforce_eager=self.enforce_eager),
+            compilation_config=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
+            speculative_config=None if self.speculative_config is None else SpeculativeConfig.from_json(
+                self.speculative_config),
         )
 
     def _device(self) -> torch.device:

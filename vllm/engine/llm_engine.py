@@ -19,6 +19,8 @@ from vllm.engine.output_processor import OutputProcessor
 from vllm.outputs import RequestOutput
 from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
+from vllm.spec_decode.metrics import SpecDecodeStats
+from vllm.spec_decode.ngram import NgramProposer
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.worker.model_runner import ModelRunner
 
@@ -34,7 +36,10 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer)
         self.runner = ModelRunner(config)
         self.kv_cache_manager = self.runner.initialize_cache()
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.num_spec = config.num_speculative_tokens
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec)
+        self.proposer = None if config.speculative_config is None else NgramProposer.from_config(
+            config.speculative_config, config.model_config.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -91,7 +96,8 @@ class LLMEngine:
                 generator = torch.Generator(self.config.model_config.device).manual_seed(child_params.seed)
             children.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", ids, child_params,
                                     max_tokens, self.eos_token_ids, arrival_time or time.monotonic(),
-                                    generator=generator))
+                                    generator=generator, speculate=self._can_speculate(child_params),
+                                    spec_stats=SpecDecodeStats(self.num_spec) if self.num_spec else None))
         self.output_processor.add(request_id, text, children, params)
         for c in children:
             self.scheduler.add_request(c)
@@ -107,6 +113,13 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
+    def _can_speculate(self, params: SamplingParams) -> bool:
+        """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans or
+        logprobs: requests asking for those decode one token per step."""
+        return self.proposer is not None and params.logprobs is None and params.prompt_logprobs is None \
+            and params.min_tokens == 0 and params.presence_penalty == 0 and params.frequency_penalty == 0 \
+            and params.repetition_penalty == 1
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -115,8 +128,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        sampling = self._sampling_metadata(sched)
-        result = self.runner.execute_model(sched, self.kv_cache_manager, sampling)
+        sampling = self._sampling_metadata([s.request for s in sched.scheduled if s.samples and not s.draft_token_ids])
+        spec_sampling = self._sampling_metadata([s.request for s in sched.scheduled if s.draft_token_ids])
+        result = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling)
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
         updated = self.scheduler.update_from_output(sched, result.sampled)
@@ -125,10 +139,28 @@ class LLMEngine:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        if self.proposer is not None:
+            self._propose()
         return outputs
 
-    def _sampling_metadata(self, sched) -> SamplingMetadata | None:
-        reqs = [s.request for s in sched.scheduled if s.samples]
+    def _propose(self) -> None:
+        """ngram drafts for each decoding request, verified in the next step. A verify step emits up to
+        1 + drafts tokens, so drafts stop one short of the request's remaining max_tokens."""
+        for req in self.scheduler.running:
+            if not req.speculate or req.is_prefilling:
+                continue
+            room = req.max_tokens - len(req.output_token_ids) - 1
+            if room <= 0:
+                continue
+            drafts = self.proposer.propose(req.prompt_token_ids + req.output_token_ids)
+            req.spec_token_ids = drafts[:room]
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Engine-wide speculative-decoding counters since start (None without speculation)."""
+        return self.scheduler.spec_stats
+
+    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata | None:
         if not reqs:
             return None
         banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)

@@ -20,6 +20,7 @@ class ChildState:
     cumulative_logprob: float | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_seen: int = 0  # output tokens already handed to the detokenizer (a verify step appends several)
 
 
 @dataclass(slots=True)
@@ -79,7 +80,8 @@ class OutputProcessor:
             parent_id, index = self.child_parent[req.request_id]
             parent = self.parents[parent_id]
             child = parent.children[index]
-            token = req.output_token_ids[-1]
+            new_tokens = req.output_token_ids[child.num_seen:]
+            child.num_seen = len(req.output_token_ids)
             m = parent.metrics
             m.first_scheduled_time = m.first_scheduled_time or req.first_scheduled_time
             m.first_token_time = m.first_token_time or now
@@ -89,7 +91,9 @@ class OutputProcessor:
                 ids, lps, rank = logprobs[req.request_id]
                 child.logprobs.append(self._logprob_dict(ids, lps, rank))
                 child.cumulative_logprob += lps[0]
-            stop_str = child.detokenizer.update([token])
+            if req.spec_stats is not None:
+                _add_spec_metrics(m, parent.children)
+            stop_str = child.detokenizer.update(new_tokens)
             if stop_str is not None and not req.status.finished:
                 stopped_by_string.append(req.request_id)
                 child.finish_reason, child.stop_reason = "stop", stop_str
@@ -135,3 +139,12 @@ class OutputProcessor:
         for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
             out.setdefault(tid, Logprob(lp, r, self.tokenizer.decode([tid])))
         return out
+
+
+def _add_spec_metrics(m: RequestMetrics, children: list[ChildState]) -> None:
+    """The user request's speculative-decoding counters: its children's, summed."""
+    stats = [c.request.spec_stats for c in children]
+    m.spec_num_drafts = sum(st.num_drafts for st in stats)
+    m.spec_num_draft_tokens = sum(st.num_draft_tokens for st in stats)
+    m.spec_num_accepted_tokens = sum(st.num_accepted_tokens for st in stats)
+    m.spec_num_accepted_tokens_per_pos = [sum(col) for col in zip(*(st.num_accepted_tokens_per_pos for st in stats))]

@@ -2,8 +2,9 @@
 
 On CUDA the budget is `gpu_memory_utilization * total` minus what other processes hold, the weights and the
 profiled activation peak; on CPU (or with --kv-cache-memory-bytes) it is given. State slots are sized first
-(one per running request, up to max_num_seqs, at most half the budget), blocks take the rest, up to what
-max_num_seqs requests of max_model_len tokens can use.
+(one per running request, or 1 + num_speculative_tokens checkpoint slots with speculation, up to max_num_seqs
+requests, at most half the budget), blocks take the rest, up to what max_num_seqs requests of max_model_len
+tokens can use.
 """
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
     block_bytes, slot_bytes = per_unit_bytes(config)
     budget = cache_budget(config, activation_peak_bytes)
     slots = 0
+    per_request = 1 + config.num_speculative_tokens
     if slot_bytes:
         # +1: the null slot (kv_cache_manager.NULL_STATE_SLOT), which padding rows point at.
-        slots = min(sc.max_num_seqs + 1, max(budget // 2, 0) // slot_bytes)
-        if slots < 2:
+        slots = min(sc.max_num_seqs * per_request + 1, max(budget // 2, 0) // slot_bytes)
+        if slots < 1 + per_request:
             raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's KDA state "
-                             f"({slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
-                             "--kv-cache-memory-bytes, or use --mamba-ssm-cache-dtype bfloat16")
+                             f"({per_request} x {slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
+                             "--kv-cache-memory-bytes, use --mamba-ssm-cache-dtype bfloat16, or lower "
+                             "num_speculative_tokens")
     needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
     if cc.num_gpu_blocks_override is not None:
         blocks = cc.num_gpu_blocks_override

@@ -28,14 +28,17 @@ class CpuGpuBuffer:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, slots_per_request: int = 1) -> None:
         self.block_size = block_size
+        self.spec = slots_per_request > 1
         self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
-        self.state_indices = CpuGpuBuffer(max_num_reqs, torch.int32, device)
+        self.state_indices = CpuGpuBuffer((max_num_reqs, slots_per_request), torch.int32, device)
+        self.num_accepted = CpuGpuBuffer(max_num_reqs, torch.int32, device)
+        self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int32)  # host only: row tags
         self.block_table = CpuGpuBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
         self.is_prefilling_np = self.is_prefilling.numpy()
@@ -54,7 +57,9 @@ class InputBatch:
         T = int(qsl[n_reqs])
         tokens: list[int] = []
         for s, start in zip(scheduled, starts.tolist()):
-            tokens += s.request.token_ids_slice(start, start + s.num_tokens)
+            drafts = s.draft_token_ids
+            tokens += s.request.token_ids_slice(start, start + s.num_tokens - len(drafts))
+            tokens += [max(t, 0) for t in drafts]  # a placeholder runs as token 0; it is always rejected
         self.input_ids.np[:T] = tokens
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
@@ -62,7 +67,9 @@ class InputBatch:
         for r, s in enumerate(scheduled):
             blocks = kv.block_ids(s.request.request_id)
             self.block_table.np[r, :len(blocks)] = blocks
-            self.state_indices.np[r] = kv.state_slot(s.request.request_id)
+            self.state_indices.np[r] = kv.state_slots(s.request.request_id)
+            self.num_accepted.np[r] = s.request.num_accepted_tokens
+            self.num_draft_tokens[r] = s.num_draft_tokens
             self.is_prefilling_np[r] = s.is_prefilling
         if kv.needs_blocks:
             block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
@@ -71,6 +78,10 @@ class InputBatch:
             self.slot_mapping.np[:T] = -1
         self.input_ids.copy_to_device(T)
         self.positions.copy_to_device(T)
+        slots = self.state_indices.copy_to_device(n_reqs)
+        slots_cpu = self.state_indices.cpu[:n_reqs]
+        if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
+            slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.copy_to_device(n_reqs + 1),
             query_start_loc_cpu=self.query_start_loc.cpu[:n_reqs + 1],
@@ -81,6 +92,7 @@ class InputBatch:
             block_table=self.block_table.copy_to_device(n_reqs),
             slot_mapping=self.slot_mapping.copy_to_device(T),
             is_prefilling=self.is_prefilling[:n_reqs],
-            state_indices=self.state_indices.copy_to_device(n_reqs),
-            state_indices_cpu=self.state_indices.cpu[:n_reqs],
+            state_indices=slots, state_indices_cpu=slots_cpu,
+            num_draft_tokens=self.num_draft_tokens[:n_reqs],
+            num_accepted_tokens=self.num_accepted.copy_to_device(n_reqs) if self.spec else None,
         )

@@ -18,6 +18,7 @@ from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
 from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
+from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.input_batch import InputBatch
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
+    # per sampling request: its new tokens (accepted drafts, then the recovered or bonus token; one token
+    # for a row without drafts)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     # per request: (token ids [k+1], logprobs [k+1], rank) of the sampled token and the top-k
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # per request: rows for the prompt positions this step covered (first prompt token has none)
@@ -47,7 +50,7 @@ class ModelRunner:
                              kda_gate_bounded=hf.gate_lower_bound is not None,
                              ssm_state_dtype=cc.mamba_ssm_cache_dtype, mla_num_heads=hf.num_attention_heads,
                              kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim,
-                             block_size=cc.block_size)
+                             block_size=cc.block_size, num_speculative_tokens=config.num_speculative_tokens)
         backends = select_backends(config.kernel_config, self.device, self.dtype, shapes)
         logger.info("attention backends: MLA %s, KDA prefill %s, KDA decode %s", backends.mla.name,
                     backends.kda.prefill.name, backends.kda.decode.name)
@@ -57,6 +60,8 @@ class ModelRunner:
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
         self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.num_spec = config.num_speculative_tokens
         self.layout: CacheLayout | None = None
 
     def initialize_cache(self) -> KVCacheManager:
@@ -69,10 +74,10 @@ class ModelRunner:
         self.model.bind_caches(caches)
         max_blocks = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
-                                      self.device)
+                                      self.device, slots_per_request=1 + self.num_spec)
         return KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
                               needs_blocks=bool(self.hf_config.mla_layers),
-                              needs_slots=bool(self.hf_config.kda_layers))
+                              needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
 
     def _profile_peak_bytes(self) -> int:
         """Peak device memory of a forward over a full token budget, with caches just big enough for it."""
@@ -112,15 +117,20 @@ class ModelRunner:
                                        mla=self.mla_builder.build(common) if self.mla_builder else None)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput, kv: KVCacheManager,
-                      sampling: SamplingMetadata | None) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, kv: KVCacheManager, sampling: SamplingMetadata | None,
+                      spec_sampling: SamplingMetadata | None = None) -> ModelRunnerOutput:
+        """One step. `sampling` covers the sampling rows without drafts, `spec_sampling` the verify rows, each
+        in step order."""
         common = self.input_batch.prepare(out, kv)
         T = common.num_actual_tokens
         hidden = self.model(self.input_batch.input_ids.gpu[:T], self.input_batch.positions.gpu[:T],
                             self._attn_metadata(common))
         result = ModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
-        sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples]
+        sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
+        verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
+        if verify_rows:
+            self._verify(out, hidden, ends, verify_rows, spec_sampling, result)
         if sample_rows:
             idx = torch.tensor([ends[r] - 1 for r in sample_rows], device=self.device)
             sampled = self.sampler(self.model.compute_logits(hidden[idx]), sampling)
@@ -128,12 +138,24 @@ class ModelRunner:
             lp = _to_lists(sampled.logprobs)
             for j, r in enumerate(sample_rows):
                 rid = out.scheduled[r].request.request_id
-                result.sampled[rid] = ids[j]
+                result.sampled[rid] = [ids[j]]
                 if lp is not None and out.scheduled[r].request.sampling_params.logprobs is not None:
                     k = out.scheduled[r].request.sampling_params.logprobs
                     result.logprobs[rid] = (lp[0][j][:k + 1], lp[1][j][:k + 1], lp[2][j])
         self._prompt_logprobs(out, hidden, ends, result)
         return result
+
+    def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int], rows: list[int],
+                sampling: SamplingMetadata, result: ModelRunnerOutput) -> None:
+        """Rejection-sample the verify rows: logits at each draft position and the bonus position."""
+        drafts = [out.scheduled[r].draft_token_ids for r in rows]
+        idx = torch.cat([torch.arange(ends[r] - len(d) - 1, ends[r]) for r, d in zip(rows, drafts)])
+        logits = self.model.compute_logits(hidden[idx.to(self.device)])
+        meta = SpecDecodeMetadata.from_drafts(drafts, self.device)
+        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec).tolist()
+        for r, row in zip(rows, tokens):
+            # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
+            result.sampled[out.scheduled[r].request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: ModelRunnerOutput) -> None:

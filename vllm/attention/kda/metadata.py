@@ -41,7 +41,9 @@ class KDARows:
     """A group of requests one KDA kernel runs, over the group's own tokens (gathered if needed)."""
     query_start_loc: torch.Tensor  # device int32 [N+1] over the group's tokens (cum_seq_lens_q)
     query_start_loc_cpu: torch.Tensor  # cpu int32 [N+1]
-    state_indices: torch.Tensor  # device int32 [N]: state slot per request
+    # device int32 [N]: state slot per request; or, for decode rows under speculative decoding, [N, 1 + K]
+    # checkpoint columns: read the state at column num_accepted_tokens - 1, write token t's state to column t.
+    state_indices: torch.Tensor
     state_indices_cpu: torch.Tensor
     has_initial_state: torch.Tensor  # device bool [N]: False for a fresh prompt (zero history)
     has_initial_state_cpu: torch.Tensor
@@ -49,6 +51,11 @@ class KDARows:
     num_tokens: int
     max_query_len: int  # a promised bound, not re-measured
     token_idx: torch.Tensor | None = None  # device long [num_tokens]: positions in the step; None = all, in order
+    num_accepted_tokens: torch.Tensor | None = None  # device int32 [N], with 2-D state_indices
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.state_indices.dim() == 2
 
 
 @dataclass(slots=True)
@@ -69,6 +76,9 @@ class KDABackend(AttentionBackend):
     runs_decode: ClassVar[bool] = False
     # Which decode batches its decode path can replay in a CUDA graph (prefill rows are never captured).
     decode_cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Whether its decode path writes checkpoint columns (2-D state_indices + num_accepted_tokens), which
+    # speculative decoding needs.
+    decode_checkpoints: ClassVar[bool] = False
 
     @classmethod
     def builder(cls, block_size: int) -> AttentionMetadataBuilder:
@@ -99,29 +109,42 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
         return True  # an all-decode step reads the device offsets; a mixed step is never a graph replay
 
     def build(self, common: CommonAttentionMetadata) -> KDAMetadata:
+        """Rows split by request state. With checkpoint columns (speculative decoding) every decode row, drafts
+        or not, takes the checkpointed path, so a graph captured on 1-token rows replays ragged rows; prefill
+        rows read and write column 0 (a prefilling request has kept exactly one token's state)."""
         n, T = common.num_reqs, common.num_actual_tokens
         prefilling = common.is_prefilling[:n].numpy()
         if not prefilling.any():
-            return KDAMetadata(decode=self._whole(common), prefill=None, num_tokens=T)
+            return KDAMetadata(decode=self._whole(common, decode=True), prefill=None, num_tokens=T)
         if prefilling.all():
-            return KDAMetadata(decode=None, prefill=self._whole(common), num_tokens=T)
+            return KDAMetadata(decode=None, prefill=self._whole(common, decode=False), num_tokens=T)
         qsl = common.query_start_loc_cpu[:n + 1].numpy()
-        return KDAMetadata(decode=_gather_rows(common, qsl, ~prefilling),
-                           prefill=_gather_rows(common, qsl, prefilling), num_tokens=T)
+        return KDAMetadata(decode=_gather_rows(common, qsl, ~prefilling, decode=True),
+                           prefill=_gather_rows(common, qsl, prefilling, decode=False), num_tokens=T)
 
     @staticmethod
-    def _whole(common: CommonAttentionMetadata) -> KDARows:
+    def _whole(common: CommonAttentionMetadata, decode: bool) -> KDARows:
         n = common.num_reqs
         has_init_cpu = common.num_computed_tokens_cpu[:n] > 0
+        slots, slots_cpu, accepted = _slots(common, decode)
         return KDARows(
             query_start_loc=common.query_start_loc[:n + 1], query_start_loc_cpu=common.query_start_loc_cpu[:n + 1],
-            state_indices=common.state_indices[:n], state_indices_cpu=common.state_indices_cpu[:n],
+            state_indices=slots[:n], state_indices_cpu=slots_cpu[:n],
             has_initial_state=(common.seq_lens[:n] > common.query_start_loc[1:n + 1] - common.query_start_loc[:n]),
             has_initial_state_cpu=has_init_cpu, num_reqs=n, num_tokens=common.num_actual_tokens,
-            max_query_len=common.max_query_len)
+            max_query_len=common.max_query_len, num_accepted_tokens=None if accepted is None else accepted[:n])
 
 
-def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndarray) -> KDARows:
+def _slots(common: CommonAttentionMetadata, decode: bool):
+    """(slots, slots_cpu, num_accepted or None) for a decode or a prefill group of the whole step."""
+    if common.state_indices.dim() == 1:
+        return common.state_indices, common.state_indices_cpu, None
+    if decode:
+        return common.state_indices, common.state_indices_cpu, common.num_accepted_tokens
+    return common.state_indices[:, 0].contiguous(), common.state_indices_cpu[:, 0].contiguous(), None
+
+
+def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndarray, decode: bool) -> KDARows:
     """The rows in `mask`, with their tokens' positions in the step (host-built: this step has a prefill)."""
     rows = np.flatnonzero(mask)
     starts, ends = qsl[rows], qsl[rows + 1]
@@ -130,7 +153,8 @@ def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndar
     group_qsl = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lens, out=group_qsl[1:])
     rows_t = torch.from_numpy(rows)
-    slots_cpu = common.state_indices_cpu[rows_t]
+    all_slots, all_slots_cpu, accepted = _slots(common, decode)
+    slots_cpu = all_slots_cpu[rows_t]
     has_init_cpu = common.num_computed_tokens_cpu[rows_t] > 0
     device = common.state_indices.device
     qsl_cpu = torch.from_numpy(group_qsl)
@@ -139,7 +163,8 @@ def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndar
         state_indices=slots_cpu.to(device), state_indices_cpu=slots_cpu,
         has_initial_state=has_init_cpu.to(device), has_initial_state_cpu=has_init_cpu,
         num_reqs=len(rows), num_tokens=int(group_qsl[-1]), max_query_len=int(lens.max(initial=0)),
-        token_idx=torch.from_numpy(token_idx.astype(np.int64)).to(device))
+        token_idx=torch.from_numpy(token_idx.astype(np.int64)).to(device),
+        num_accepted_tokens=None if accepted is None else accepted[rows_t.to(device)])
 
 
 class KDAAttention:

@@ -248,6 +248,7 @@ class NativeKDABackend(KDABackend):
     """`--kda-decode-backend native`: the fused kernel above, for decode rows of 1..max_query_len tokens."""
     name = "native"
     runs_decode = True
+    decode_checkpoints = True
     # Row lengths come from the device offsets and the grid from (N, H): any decode batch replays.
     decode_cudagraph_support = AttentionCGSupport.ALWAYS
 
@@ -267,5 +268,5 @@ class NativeKDABackend(KDABackend):
         return fused_kda_decode(
             mixed_qkv[:T], raw_gate[:T], raw_beta[:T], output_gate[:T], layer.conv_weight, layer.A_log,
             layer.dt_bias, layer.o_norm.weight, layer.o_norm.eps, layer.gate_lower_bound, conv_state, ssm_state,
-            rows.query_start_loc, rows.state_indices, num_heads=layer.num_heads, head_dim=layer.head_dim,
-            max_query_len=rows.max_query_len)
+            rows.query_start_loc, rows.state_indices, rows.num_accepted_tokens, num_heads=layer.num_heads,
+            head_dim=layer.head_dim, max_query_len=rows.max_query_len)

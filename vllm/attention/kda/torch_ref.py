@@ -15,6 +15,7 @@ from vllm.attention.kda.ops import acc, causal_conv1d, kda_chunked, kda_gate, kd
 class TorchKDABackend(KDABackend):
     name = "torch"
     runs_prefill = runs_decode = True
+    decode_checkpoints = True
 
     @classmethod
     def forward_decode(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
@@ -38,17 +39,20 @@ class TorchKDABackend(KDABackend):
     def _one_token_rows(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows):
         H, K = layer.num_heads, layer.head_dim
         T = rows.num_tokens
-        slots = rows.state_indices.long()
+        src = dst = rows.state_indices.long()
+        if rows.checkpointed:  # read the last kept token's column, write the one token's state to column 0
+            src = dst.gather(1, (rows.num_accepted_tokens.long() - 1)[:, None]).squeeze(1)
+            dst = dst[:, 0]
         x = mixed_qkv[:T]
-        window = torch.cat([conv_state[slots], x[:, :, None].to(conv_state.dtype)], dim=-1)
-        conv_state[slots] = window[..., 1:]
+        window = torch.cat([conv_state[src], x[:, :, None].to(conv_state.dtype)], dim=-1)
+        conv_state[dst] = window[..., 1:]
         q, k, v = _qkv((acc(window) * acc(layer.conv_weight)).sum(-1), mixed_qkv.dtype, H, K)
         g = kda_gate(raw_gate[:T], layer.A_log, layer.dt_bias, K, layer.gate_lower_bound)
         beta = torch.sigmoid(acc(raw_beta[:T]))
         # Requests are independent, so N requests x H heads run as N*H heads of one recurrent step.
         o, S = kda_recurrent(q.reshape(1, T * H, K), k.reshape(1, T * H, K), v.reshape(1, T * H, K),
-                             g.reshape(1, T * H, K), beta.reshape(1, T * H), ssm_state[slots].reshape(T * H, K, K))
-        ssm_state[slots] = S.view(T, H, K, K).to(ssm_state.dtype)
+                             g.reshape(1, T * H, K), beta.reshape(1, T * H), ssm_state[src].reshape(T * H, K, K))
+        ssm_state[dst] = S.view(T, H, K, K).to(ssm_state.dtype)
         return gated_norm(layer, o.view(T, H, K), output_gate[:T], mixed_qkv.dtype)
 
     @staticmethod
@@ -59,17 +63,31 @@ class TorchKDABackend(KDABackend):
         beta = torch.sigmoid(acc(raw_beta[:T]))
         core = acc(mixed_qkv.new_zeros(T, H, K))
         qsl = rows.query_start_loc_cpu.tolist()
+        accepted = rows.num_accepted_tokens.tolist() if rows.checkpointed else [1] * rows.num_reqs
         for r, (slot, has_init) in enumerate(zip(rows.state_indices_cpu.tolist(),
                                                  rows.has_initial_state_cpu.tolist())):
             s, e = qsl[r], qsl[r + 1]
-            if e == s or slot < 0:
+            cols = slot if rows.checkpointed else [slot]
+            src = cols[accepted[r] - 1]
+            if e == s or src < 0:
                 continue
-            conv_out, conv_state[slot] = causal_conv1d(
-                mixed_qkv[s:e], layer.conv_weight, conv_state[slot] if has_init else None)
+            conv_out, final_conv = causal_conv1d(mixed_qkv[s:e], layer.conv_weight,
+                                                 conv_state[src] if has_init else None)
             q, k, v = _qkv(conv_out, mixed_qkv.dtype, H, K)
-            state = ssm_state[slot] if has_init else acc(torch.zeros_like(ssm_state[slot]))
-            core[s:e], final = kda(q, k, v, g[s:e], beta[s:e], state)
-            ssm_state[slot] = final.to(ssm_state.dtype)
+            state = ssm_state[src] if has_init else acc(torch.zeros_like(ssm_state[src]))
+            if not rows.checkpointed:
+                core[s:e], final = kda(q, k, v, g[s:e], beta[s:e], state)
+                conv_state[src], ssm_state[src] = final_conv, final.to(ssm_state.dtype)
+                continue
+            # Checkpoint columns: the state after token t goes to column t (kda_recurrent's checkpoints).
+            states = acc(q.new_empty(e - s, *ssm_state.shape[1:]))
+            core[s:e], _ = kda_recurrent(q, k, v, g[s:e], beta[s:e], state, checkpoints=states)
+            history = conv_state[src].t() if has_init else mixed_qkv.new_zeros(layer.conv_weight.shape[1] - 1,
+                                                                                mixed_qkv.shape[1])
+            inputs = torch.cat([history.to(conv_state.dtype), mixed_qkv[s:e].to(conv_state.dtype)])
+            width = layer.conv_weight.shape[1]
+            for t in range(e - s):  # inputs and states are copies: overwriting src, one of the columns, is safe
+                conv_state[cols[t]], ssm_state[cols[t]] = inputs[t + 1:t + width].t(), states[t].to(ssm_state.dtype)
         return gated_norm(layer, core, output_gate[:T], mixed_qkv.dtype)
 
 

@@ -1,0 +1,155 @@
+"""Full CUDA graphs for decode/verify (and, under FULL, mixed) batches: which to capture, which to replay.
+
+A `BatchDescriptor` keys one captured graph. The runner picks the capture sizes (`capture_sizes`), turns them
+into descriptors (`capture_descriptors`) for the mode the attention backends allow (`resolve_mode`), captures
+them with `CUDAGraphRunner` and at every step asks `CudaGraphDispatcher` for the smallest compatible graph; a
+batch nothing fits runs eagerly.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm.attention.backend import AttentionCGSupport
+from vllm.config import CompilationConfig
+
+
+class CUDAGraphMode(enum.Enum):
+    NONE = "NONE"
+    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
+    FULL = "FULL"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDescriptor:
+    num_tokens: int
+    num_reqs: int
+    max_query_len: int | None  # None: unbounded (a batch with a prefill row, or a FULL mixed graph)
+    uniform_query_len: int | None  # every row has exactly this many tokens; None: ragged rows allowed
+
+
+def capture_sizes(config: CompilationConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                  num_speculative_tokens: int) -> list[int]:
+    """Token counts to capture, ascending.
+
+    With K drafts a verify row has 1+K tokens, so sizes are rounded up to multiples of 1+K: a pure verify batch
+    then fills a graph without padding rows. A decode batch never has more than max_num_seqs * (1+K) tokens nor
+    more than the token budget, so larger graphs would never replay.
+    """
+    sizes = config.cudagraph_capture_sizes
+    if sizes is None:
+        limit = config.max_cudagraph_capture_size
+        sizes = [n for n in (1, 2, 4) if n <= limit] + list(range(8, limit + 1, 8))
+    step = 1 + num_speculative_tokens
+    cap = min(max_num_batched_tokens, max_num_seqs * step)
+    return sorted({n for n in (-(-n // step) * step for n in sizes) if n <= cap})
+
+
+def capture_descriptors(sizes: list[int], max_num_seqs: int, num_speculative_tokens: int,
+                        mode: CUDAGraphMode) -> list[BatchDescriptor]:
+    """One decode/verify graph per size, plus one mixed graph per size under FULL.
+
+    Verify graphs are varlen (rows of 1..1+K tokens, e.g. under adaptive verification), so they are sized for the
+    worst case of one token per request; without speculation every decode row has exactly one token.
+    """
+    if mode is CUDAGraphMode.NONE:
+        return []
+    k = num_speculative_tokens
+    descs = [BatchDescriptor(n, min(n, max_num_seqs), 1 + k, None if k > 0 else 1) for n in sizes]
+    if mode is CUDAGraphMode.FULL:
+        descs += [BatchDescriptor(n, min(n, max_num_seqs), None, None) for n in sizes]
+    return descs
+
+
+def resolve_mode(requested: CUDAGraphMode, support: AttentionCGSupport,
+                 num_speculative_tokens: int) -> tuple[CUDAGraphMode, str | None]:
+    """The mode the attention backends allow (`support` is the minimum over all groups) and why it was lowered."""
+    mode, reason = requested, None
+    if mode is CUDAGraphMode.FULL and support < AttentionCGSupport.ALWAYS:
+        mode = CUDAGraphMode.FULL_DECODE_ONLY
+        reason = (f"FULL needs every attention backend to support ALWAYS (mixed prefill+decode batches), "
+                  f"the weakest supports {support.name}; using FULL_DECODE_ONLY")
+    if mode is CUDAGraphMode.FULL_DECODE_ONLY:
+        # Our verify graphs are varlen (rows of 1..1+K tokens), which only ALWAYS backends can replay.
+        need = AttentionCGSupport.ALWAYS if num_speculative_tokens > 0 else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if support < need:
+            what = (f"varlen verify graphs (num_speculative_tokens={num_speculative_tokens})"
+                    if num_speculative_tokens > 0 else "1-token decode graphs")
+            reason = (f"{(reason + '; then ') if reason else ''}{what} need attention support {need.name}, "
+                      f"the weakest backend supports {support.name}; running eagerly (cudagraph_mode NONE)")
+            mode = CUDAGraphMode.NONE
+    return mode, reason
+
+
+class CudaGraphDispatcher:
+    """Picks the captured graph a batch replays in, after padding to its num_tokens and num_reqs."""
+
+    def __init__(self, descriptors: list[BatchDescriptor]) -> None:
+        # Sorted once by preference, so dispatch returns the first compatible one: uniform graphs take the
+        # cheapest kernel path, bounded graphs assume short rows, and fewer tokens/requests mean less padding.
+        self.descriptors = sorted(descriptors, key=lambda d: (d.uniform_query_len is None, d.max_query_len is None,
+                                                              d.num_tokens, d.num_reqs))
+
+    @property
+    def max_num_tokens(self) -> int:
+        return max((d.num_tokens for d in self.descriptors), default=0)
+
+    def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int | None,
+                 uniform_query_len: int | None) -> BatchDescriptor | None:
+        """The preferred compatible graph, or None to run eagerly.
+
+        `max_query_len` None means the batch has a prefill row: it must never replay a bounded decode graph,
+        whose kernels were captured for short rows only.
+        """
+        for d in self.descriptors:
+            if (d.num_tokens >= num_tokens and d.num_reqs >= num_reqs
+                    and (d.uniform_query_len is None or d.uniform_query_len == uniform_query_len)
+                    and (d.max_query_len is None or (max_query_len is not None and max_query_len <= d.max_query_len))):
+                return d
+        return None
+
+
+class CUDAGraphRunner:
+    """Captures and replays full CUDA graphs, all sharing one memory pool.
+
+    The caller captures the largest descriptor first so that smaller graphs reuse the pool's blocks.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def __contains__(self, desc: BatchDescriptor) -> bool:
+        return desc in self.graphs
+
+    def capture(self, desc: BatchDescriptor, fn: Callable[[], torch.Tensor], warmup: int = 1) -> None:
+        """Record `fn` as the graph for `desc` and keep its output tensor.
+
+        `fn` must read only persistent buffers (tensors that outlive the capture and that the caller refills in
+        place before each replay): a graph replays fixed addresses, so a fresh tensor made outside `fn` would be
+        read stale or freed. Warm-up runs eagerly first so lazy initialisation (kernel autotuning, cuBLAS
+        workspaces) happens outside the capture; torch wants it on a side stream.
+        """
+        with torch.cuda.device(self.device):
+            main = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    fn()
+            main.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        self.graphs[desc] = (graph, out)
+
+    def replay(self, desc: BatchDescriptor) -> torch.Tensor:
+        """Replay the graph for `desc`; returns its (padded) output, which the next replay overwrites."""
+        graph, out = self.graphs[desc]
+        graph.replay()
+        return out
