@@ -1,0 +1,183 @@
+"""Speculative decoding end to end: greedy outputs identical with and without speculation (ngram drafts and
+scripted drafts with chosen rejections), over batches that mix prompt chunks, verify rows with 0..K drafts,
+padded prompt tails and preemption; metrics add up; nothing leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def make_llm(device, K=None, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", 256)
+    kwargs.setdefault("max_num_batched_tokens", 32)
+    spec = None if K is None else {"method": "ngram", "num_speculative_tokens": K}
+    return LLM(device=device, dtype="float32", speculative_config=spec, **kwargs)
+
+
+def repetitive_prompts(lengths, seed=0) -> list[dict]:
+    """Prompts that repeat a short random phrase, so ngram lookup finds matches."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        phrase = torch.randint(5, 500, (int(torch.randint(2, 6, (), generator=gen)),), generator=gen).tolist()
+        out.append({"prompt_token_ids": (phrase * n)[:n]})
+    return out
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def finish(llm: LLM) -> None:
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+class ScriptedProposer:
+    """Drafts the true greedy continuation (from a run without speculation) with chosen mistakes: a request's
+    s-th proposal has s % (K + 1) drafts and its first wrong one at a position that varies with s and the
+    request, so verify rows accept every count from 0 to K, sometimes all (then the bonus token follows)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], K: int, vocab: int) -> None:
+        self.reference, self.K, self.vocab = reference, K, vocab
+        self.calls: dict[tuple[int, ...], int] = {}
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        for r, (prompt, ref) in enumerate(self.reference.items()):
+            if tuple(tokens[:len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                assert tokens[len(prompt):] == ref[:done], "the engine diverged from the reference"
+                s = self.calls[prompt] = self.calls.get(prompt, 0) + 1
+                drafts = list(ref[done:done + s % (self.K + 1)])
+                wrong = (3 * s + r) % (len(drafts) + 1)  # == len(drafts): all right
+                if wrong < len(drafts):
+                    drafts[wrong] = (drafts[wrong] + 1) % self.vocab
+                return drafts
+        raise AssertionError("a request the script does not know")
+
+
+def record_tags(llm: LLM) -> list[list[tuple[int, list[int]]]]:
+    """Wraps the scheduler to keep each step's rows as (tag, drafts)."""
+    steps: list[list[tuple[int, list[int]]]] = []
+    sched = llm.llm_engine.scheduler
+    schedule = sched.schedule
+
+    def recording():
+        out = schedule()
+        steps.append([(s.num_draft_tokens, list(s.draft_token_ids)) for s in out.scheduled])
+        return out
+    sched.schedule = recording
+    return steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_ngram_speculation_is_lossless(device, K):
+    batch = repetitive_prompts([5, 40, 1, 77, 16, 23, 9], seed=K)
+    want = make_llm(device).generate(batch, GREEDY, use_tqdm=False)
+    llm = make_llm(device, K)
+    steps = record_tags(llm)
+    got = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    tags = [t for step in steps for t, _ in step]
+    assert any(t > 0 for t in tags) and -1 in tags, "the run must verify drafts and prefill"
+    finish(llm)
+
+
+def _scripted_run(device, K, batch, params, **kwargs):
+    want = make_llm(device, **kwargs).generate(batch, params, use_tqdm=False)
+    llm = make_llm(device, K, **kwargs)
+    vocab = llm.llm_engine.vocab_size
+    reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(batch, want)}
+    llm.llm_engine.proposer = ScriptedProposer(reference, K, vocab)
+    steps = record_tags(llm)
+    got = llm.generate(batch, params, use_tqdm=False)
+    return want, got, llm, steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_scripted_drafts_are_lossless_and_counted(device, K):
+    # 33 tokens with a 32-token budget: the last prompt token runs as a padded tail (K placeholders).
+    batch = repetitive_prompts([33, 40, 1, 77, 16, 23], seed=10 + K)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want, got, llm, steps = _scripted_run(device, K, batch, params)
+    assert token_ids(got) == token_ids(want)
+    # The padded tail ran as a verify row: tag K (or fewer if the budget trimmed it), placeholders only.
+    first_steps = [row for step in steps[:3] for row in step]
+    assert any(tag > 0 and drafts == [PLACEHOLDER_TOKEN_ID] * tag for tag, drafts in first_steps)
+    # Verify rows of every draft count met prompt chunks in the same steps.
+    assert any(-1 in [t for t, _ in step] and any(t > 0 for t, _ in step) for step in steps)
+    assert {t for step in steps for t, _ in step} >= set(range(-1, K + 1))
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_accepted_tokens_per_pos[K - 1] > 0, "some rows accepted all K drafts"
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "some drafts were rejected"
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    per_request = [o.metrics for o in got]
+    assert sum(m.spec_num_drafts for m in per_request) == stats.num_drafts
+    assert sum(m.spec_num_draft_tokens for m in per_request) == stats.num_draft_tokens
+    assert sum(m.spec_num_accepted_tokens for m in per_request) == stats.num_accepted_tokens
+    assert [sum(c) for c in zip(*(m.spec_num_accepted_tokens_per_pos for m in per_request))] == \
+        stats.num_accepted_tokens_per_pos
+    assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
+    assert stats.mean_acceptance_length > 1
+    finish(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculation_survives_preemption(device):
+    # 6 blocks of 16 tokens cannot hold four growing requests: the newest are preempted and recomputed.
+    batch = repetitive_prompts([20, 18, 25, 12], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want, got, llm, _ = _scripted_run(device, 3, batch, params, num_gpu_blocks_override=6, max_model_len=64)
+    assert token_ids(got) == token_ids(want)
+    assert max(o.metrics.num_preemptions for o in got) > 0, "the cache was meant to force a preemption"
+    finish(llm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_that_cannot_speculate_share_steps_with_verify_rows(device):
+    """logprobs, penalties and min_tokens need the plain sampler: those requests decode one token per step
+    next to verify rows, and get what they get without speculation."""
+    batch = repetitive_prompts([30, 12, 20], seed=5)
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, min_tokens=4)]
+    want = make_llm(device).generate(batch, params, use_tqdm=False)
+    llm = make_llm(device, 3)
+    steps = record_tags(llm)
+    got = llm.generate(batch, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    for a, b in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+    assert [o.metrics.spec_num_drafts for o in got[1:]] == [0, 0]
+    assert any(t > 0 for step in steps for t, _ in step) or got[0].metrics.spec_num_drafts == 0
+    finish(llm)
+
+
+def test_seeded_random_sampling_with_speculation_runs_to_length():
+    batch = repetitive_prompts([30, 12], seed=6)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
+    llm = make_llm("cpu", 3)
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20, 20]
+    again = make_llm("cpu", 3).generate(batch, params, use_tqdm=False)
+    assert token_ids(again) == token_ids(outs), "seeded requests are reproducible run to run"
+    finish(llm)
+
+
+def test_bad_speculative_configs_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(device="cpu", speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(device="cpu", speculative_config='{"method": ngram}')
+    with pytest.raises(ValueError, match="checkpoints"):
+        LLM(device="cpu", kda_decode_backend="triton",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
