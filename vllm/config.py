@@ -160,13 +160,14 @@ DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 class CompilationConfig:
     """`--compilation-config '{"cudagraph_mode": ..., "cudagraph_capture_sizes": [...]}'` and `--enforce-eager`.
 
-    cudagraph_mode: NONE (eager), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with
-    a prefill row; the GPU default) or FULL (graphs for mixed batches too, only if every backend is ALWAYS).
+    cudagraph_mode: NONE (eager; the default until the graph path has run on a GPU, see docs/cuda_graphs.md),
+    FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a prefill row) or FULL (graphs
+    for mixed batches too, only if every backend is ALWAYS).
     Capture sizes are token counts; None picks 1, 2, 4, 8 and multiples of 8 up to max_cudagraph_capture_size
     (rounded to multiples of 1 + num_speculative_tokens by the runner). `enforce_eager` forces NONE.
     """
     enforce_eager: bool = False
-    cudagraph_mode: str | None = None  # None: FULL_DECODE_ONLY on CUDA, NONE elsewhere
+    cudagraph_mode: str | None = None  # None: NONE (see above)
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
 
@@ -197,10 +198,10 @@ class CompilationConfig:
         return cls(enforce_eager=enforce_eager, **data)
 
     def resolved_mode(self, device: torch.device) -> str:
-        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag or FULL_DECODE_ONLY."""
+        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag (NONE when unset)."""
         if self.enforce_eager or device.type != "cuda":
             return "NONE"
-        return self.cudagraph_mode or "FULL_DECODE_ONLY"
+        return self.cudagraph_mode or "NONE"
 
 
 @dataclass(slots=True)

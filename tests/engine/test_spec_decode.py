@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spec_helpers import ScriptedProposer
+
 from vllm import LLM, SamplingParams
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
@@ -37,29 +39,6 @@ def token_ids(outputs) -> list[list[int]]:
 def finish(llm: LLM) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
     llm.llm_engine.kv_cache_manager.assert_all_free()
-
-
-class ScriptedProposer:
-    """Drafts the true greedy continuation (from a run without speculation) with chosen mistakes: a request's
-    s-th proposal has s % (K + 1) drafts and its first wrong one at a position that varies with s and the
-    request, so verify rows accept every count from 0 to K, sometimes all (then the bonus token follows)."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]], K: int, vocab: int) -> None:
-        self.reference, self.K, self.vocab = reference, K, vocab
-        self.calls: dict[tuple[int, ...], int] = {}
-
-    def propose(self, tokens: list[int]) -> list[int]:
-        for r, (prompt, ref) in enumerate(self.reference.items()):
-            if tuple(tokens[:len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                assert tokens[len(prompt):] == ref[:done], "the engine diverged from the reference"
-                s = self.calls[prompt] = self.calls.get(prompt, 0) + 1
-                drafts = list(ref[done:done + s % (self.K + 1)])
-                wrong = (3 * s + r) % (len(drafts) + 1)  # == len(drafts): all right
-                if wrong < len(drafts):
-                    drafts[wrong] = (drafts[wrong] + 1) % self.vocab
-                return drafts
-        raise AssertionError("a request the script does not know")
 
 
 def record_tags(llm: LLM) -> list[list[tuple[int, list[int]]]]:
@@ -181,3 +160,21 @@ def test_bad_speculative_configs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="checkpoints"):
         LLM(device="cpu", kda_decode_backend="triton",
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_cli_flags_reach_the_engine_config():
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--device", "cpu", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 6}',
+                              "--compilation-config", '{"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [8, 2]}'])
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    assert (cfg.num_speculative_tokens, cfg.speculative_config.prompt_lookup_max) == (2, 6)
+    assert (cfg.compilation_config.cudagraph_mode, cfg.compilation_config.cudagraph_capture_sizes) == ("FULL", [2, 8])
+    assert cfg.compilation_config.resolved_mode(torch.device("cpu")) == "NONE", "no graphs off CUDA"
+    for bad, match in [('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode"), ('{"sizes": [1]}', "keys"),
+                       ('{"cudagraph_capture_sizes": [0]}', "cudagraph_capture_sizes"), ("{", "not valid JSON")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(device="cpu", compilation_config=bad).create_engine_config()

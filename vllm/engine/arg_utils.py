@@ -74,7 +74,8 @@ class EngineArgs:
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
                             '"prompt_lookup_max": 4}\'')
         g.add_argument("--compilation-config", "-O", default=None,
-                       help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}\'')
+                       help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
+                            '"cudagraph_capture_sizes": [1, 2, 4]}\'')
         return parser
 
     @classmethod

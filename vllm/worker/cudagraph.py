@@ -74,7 +74,8 @@ def resolve_mode(requested: CUDAGraphMode, support: AttentionCGSupport,
                   f"the weakest supports {support.name}; using FULL_DECODE_ONLY")
     if mode is CUDAGraphMode.FULL_DECODE_ONLY:
         # Our verify graphs are varlen (rows of 1..1+K tokens), which only ALWAYS backends can replay.
-        need = AttentionCGSupport.ALWAYS if num_speculative_tokens > 0 else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        need = (AttentionCGSupport.ALWAYS if num_speculative_tokens > 0
+                else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
         if support < need:
             what = (f"varlen verify graphs (num_speculative_tokens={num_speculative_tokens})"
                     if num_speculative_tokens > 0 else "1-token decode graphs")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from vllm.attention.backend import CommonAttentionMetadata
-from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
 
 
@@ -96,3 +96,54 @@ class InputBatch:
             num_draft_tokens=self.num_draft_tokens[:n_reqs],
             num_accepted_tokens=self.num_accepted.copy_to_device(n_reqs) if self.spec else None,
         )
+
+    def fill_for_capture(self, num_reqs: int, num_tokens: int, max_query_len: int) -> None:
+        """Harmless inputs for capturing a graph of this shape: tokens spread evenly over requests with no
+        cached context, no cache writes, every request on the null state slot."""
+        lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        lens[:num_tokens % num_reqs] += 1
+        assert lens.max() <= max_query_len, "a capture shape whose rows exceed its max_query_len"
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1:num_reqs + 1] = np.cumsum(lens)
+        self.seq_lens.np[:num_reqs] = lens
+        self.input_ids.np[:num_tokens] = 0
+        self.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(self.query_start_loc.np[:num_reqs], lens)
+        self.slot_mapping.np[:num_tokens] = -1
+        self.block_table.np[:num_reqs] = 0
+        self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
+        self.num_accepted.np[:num_reqs] = 1
+        self.is_prefilling_np[:num_reqs] = False
+        for buf, n in ((self.query_start_loc, num_reqs + 1), (self.seq_lens, num_reqs), (self.input_ids, num_tokens),
+                       (self.positions, num_tokens), (self.slot_mapping, num_tokens), (self.block_table, num_reqs),
+                       (self.state_indices, num_reqs), (self.num_accepted, num_reqs)):
+            buf.copy_to_device(n)
+
+    def graph_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int,
+                       max_seq_len: int) -> CommonAttentionMetadata:
+        """Metadata over the persistent buffers for a graph of this shape: every device tensor is a view of a
+        buffer that later steps refill in place (the replayed kernels read fixed addresses). Host tensors are
+        frozen copies of the capture's values: a graph replays the host decisions it was captured with, so
+        nothing may read later host values through this metadata."""
+        slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
+        if not self.spec:
+            slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
+            query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1].clone(),
+            seq_lens=self.seq_lens.gpu[:num_reqs], seq_lens_cpu=self.seq_lens.cpu[:num_reqs].clone(),
+            num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            block_table=self.block_table.gpu[:num_reqs], slot_mapping=self.slot_mapping.gpu[:num_tokens],
+            is_prefilling=self.is_prefilling[:num_reqs].clone(), state_indices=slots,
+            state_indices_cpu=slots_cpu.clone(), num_draft_tokens=self.num_draft_tokens[:num_reqs].clone(),
+            num_accepted_tokens=self.num_accepted.gpu[:num_reqs] if self.spec else None)
+
+    def pad_for_graph(self, num_reqs: int, num_tokens: int, graph_reqs: int, graph_tokens: int) -> None:
+        """After prepare(): zero-length requests on the null slot and tokens that write nothing, up to a
+        captured graph's shape, so its kernels see exactly this batch."""
+        if graph_reqs > num_reqs:
+            self.query_start_loc.gpu[num_reqs + 1:graph_reqs + 1] = num_tokens
+            self.seq_lens.gpu[num_reqs:graph_reqs] = 0
+            self.state_indices.gpu[num_reqs:graph_reqs] = NULL_STATE_SLOT
+            self.num_accepted.gpu[num_reqs:graph_reqs] = 1
+        if graph_tokens > num_tokens:
+            self.slot_mapping.gpu[num_tokens:graph_tokens] = -1

@@ -6,10 +6,12 @@ requests that asked for prompt_logprobs).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from vllm.attention.backend import CommonAttentionMetadata, HybridAttentionMetadata, LayerShapes
 from vllm.attention.selector import select_backends
@@ -21,6 +23,8 @@ from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
+from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
+                                   capture_descriptors, capture_sizes, resolve_mode)
 from vllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -58,11 +62,31 @@ class ModelRunner:
         self.hf_config = mc.hf_config
         self.block_size = config.cache_config.block_size
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
+        self.kda_prefill_name = backends.kda.prefill.name
         self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.num_spec = config.num_speculative_tokens
         self.layout: CacheLayout | None = None
+        self.cudagraph_mode = self._cudagraph_mode()
+        self.dispatcher = CudaGraphDispatcher([])
+        self.graphs: CUDAGraphRunner | None = None
+
+    def _cudagraph_mode(self) -> CUDAGraphMode:
+        """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
+        requested = CUDAGraphMode(self.config.compilation_config.resolved_mode(self.device))
+        if requested is CUDAGraphMode.FULL and self.kda_builder is not None:
+            # The KDA prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a
+            # prompt chunk cannot replay; decode and verify batches still can.
+            logger.warning("cudagraph_mode FULL -> FULL_DECODE_ONLY: the KDA prefill backend %s cannot be "
+                           "captured; batches with a prompt chunk run eagerly", self.kda_prefill_name)
+            requested = CUDAGraphMode.FULL_DECODE_ONLY
+        builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
+        support = min(b.cudagraph_support for b in builders)
+        mode, reason = resolve_mode(requested, support, self.num_spec)
+        if reason is not None:
+            logger.warning("cudagraph_mode %s -> %s: %s", requested.value, mode.value, reason)
+        return mode
 
     def initialize_cache(self) -> KVCacheManager:
         """Sizes and allocates the cache pools after a profile run, binds them, returns their manager."""
@@ -75,9 +99,53 @@ class ModelRunner:
         max_blocks = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
                                       self.device, slots_per_request=1 + self.num_spec)
-        return KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
-                              needs_blocks=bool(self.hf_config.mla_layers),
-                              needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
+        kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
+                            needs_blocks=bool(self.hf_config.mla_layers),
+                            needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
+        self._capture_cudagraphs()
+        return kv
+
+    @torch.inference_mode()
+    def _capture_cudagraphs(self) -> None:
+        """Captures one graph per descriptor, largest first so smaller ones reuse its memory pool."""
+        sc = self.config.scheduler_config
+        sizes = capture_sizes(self.config.compilation_config, sc.max_num_seqs, sc.max_num_batched_tokens,
+                              self.num_spec)
+        descs = capture_descriptors(sizes, sc.max_num_seqs, self.num_spec, self.cudagraph_mode)
+        if not descs:
+            return
+        self.dispatcher = CudaGraphDispatcher(descs)
+        self.graphs = CUDAGraphRunner(self.device)
+        batch = self.input_batch
+        for desc in tqdm(sorted(descs, key=lambda d: -d.num_tokens), desc="Capturing CUDA graphs"):
+            n, T = desc.num_reqs, desc.num_tokens
+            max_q = desc.max_query_len or T
+            batch.fill_for_capture(n, T, max_q)
+            common = batch.graph_metadata(n, T, max_q, sc.max_model_len)
+            # Metadata is built inside the capture: its device-side work then reruns on every replay
+            # against the refilled buffers, and its host-side choices are fixed by the descriptor.
+            self.graphs.capture(desc, functools.partial(self._forward, T, common))
+        logger.info("captured %d CUDA graphs (%s), %d..%d tokens", len(descs), self.cudagraph_mode.value,
+                    min(sizes), max(sizes))
+
+    def _forward(self, num_tokens: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        batch = self.input_batch
+        return self.model(batch.input_ids.gpu[:num_tokens], batch.positions.gpu[:num_tokens],
+                          self._attn_metadata(common))
+
+    def _graph_for(self, common: CommonAttentionMetadata) -> BatchDescriptor | None:
+        """The captured graph this step replays in, or None to run eagerly."""
+        if self.graphs is None:
+            return None
+        n = common.num_reqs
+        if bool(common.is_prefilling[:n].any()):
+            if self.cudagraph_mode is not CUDAGraphMode.FULL:
+                return None
+            # A prompt chunk must never replay a bounded decode graph: unbounded (mixed) graphs only.
+            return self.dispatcher.dispatch(common.num_actual_tokens, n, None, None)
+        lens = common.query_lens_cpu[:n]
+        uniform = int(lens[0]) if n and bool((lens == lens[0]).all()) else None
+        return self.dispatcher.dispatch(common.num_actual_tokens, n, common.max_query_len, uniform)
 
     def _profile_peak_bytes(self) -> int:
         """Peak device memory of a forward over a full token budget, with caches just big enough for it."""
@@ -123,8 +191,12 @@ class ModelRunner:
         in step order."""
         common = self.input_batch.prepare(out, kv)
         T = common.num_actual_tokens
-        hidden = self.model(self.input_batch.input_ids.gpu[:T], self.input_batch.positions.gpu[:T],
-                            self._attn_metadata(common))
+        desc = self._graph_for(common)
+        if desc is None:
+            hidden = self._forward(T, common)
+        else:
+            self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)
+            hidden = self.graphs.replay(desc)[:T]
         result = ModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]

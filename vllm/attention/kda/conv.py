@@ -98,6 +98,6 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
                        x.stride(0), conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
                        num_warps=num_warps)
     _update_state_kernel[(N, triton.cdiv(C, 256))](x, conv_state, query_start_loc, state_indices, init, C,
-                                                   x.stride(0), conv_state.stride(0), W=W, WP=triton.next_power_of_2(W - 1),
-                                                   BLOCK_C=256)
+                                                   x.stride(0), conv_state.stride(0), W=W,
+                                                   WP=triton.next_power_of_2(W - 1), BLOCK_C=256)
     return y

@@ -93,8 +93,23 @@ class KimiMoE(nn.Module):
         weights, ids = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
+        if u.is_cuda and torch.cuda.is_current_stream_capturing():
+            y = self._routed_every_expert(u, weights, ids)
+        else:
+            y = self._routed_by_expert(u, weights, ids)
+        y = y.to(x.dtype)
+        if latent:
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y
+
+    def _routed_by_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each expert on the tokens that chose it. Groups (token, expert) pairs by expert: one host sync per
+        layer for the group sizes."""
         y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
-        # Group the (token, expert) pairs by expert: one host sync per layer for the group sizes.
         order = ids.flatten().argsort()
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         tokens, w = order // ids.shape[1], weights.flatten()[order]
@@ -104,11 +119,15 @@ class KimiMoE(nn.Module):
                 tok = tokens[start:start + n]
                 y.index_add_(0, tok, self.experts[e](u[tok]).float() * w[start:start + n, None])
                 start += n
-        y = y.to(x.dtype)
-        if latent:
-            if hasattr(self, "routed_expert_norm"):
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+        return y
+
+    def _routed_every_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Inside a CUDA graph capture group sizes cannot reach the host, so every expert runs on every token
+        and a token keeps the outputs of the experts it chose, summed in the same expert order as above. Meant
+        for decode-sized batches, where reading each expert's weights dominates either way."""
+        y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
+        for e, expert in enumerate(self.experts):
+            chosen = ids == e
+            w = (weights * chosen).sum(-1, keepdim=True)
+            y += torch.where(chosen.any(-1, keepdim=True), expert(u).float() * w, 0.0)
         return y
