@@ -16,6 +16,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class EngineStats:
     num_slots: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    spec_decode: SpecDecodeStats | None = None  # engine-wide speculative-decoding counters
 
 
 @dataclass(slots=True)
@@ -113,7 +115,7 @@ class AsyncLLM:
         blocks, slots = kv.usage
         return EngineStats(len(sched.running), len(sched.waiting), blocks, slots, kv.block_pool.num_free,
                            kv.block_pool.num_blocks, len(kv.free_slots), kv.num_state_slots,
-                           self.prompt_tokens_total, self.generation_tokens_total)
+                           self.prompt_tokens_total, self.generation_tokens_total, self.engine.spec_decode_stats)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     async def _run(self) -> None:

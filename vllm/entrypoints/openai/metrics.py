@@ -31,10 +31,24 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc, labels=list(self.labels))
             g.add_metric(list(self.labels.values()), value)
             yield g
-        for name, doc, value in [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
-                                 ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)]:
+        counters = [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+                    ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)]
+        spec = s.spec_decode
+        if spec is not None:
+            counters += [("vllm:spec_decode_num_drafts", "Verifications with at least one draft token.",
+                          spec.num_drafts),
+                         ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                         ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
+        for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), value)
+            yield c
+        if spec is not None:
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.",
+                                    labels=[*self.labels, "position"])
+            for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                c.add_metric([*self.labels.values(), str(pos)], value)
             yield c
 
 
