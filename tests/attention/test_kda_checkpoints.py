@@ -16,7 +16,6 @@ import pytest
 import torch
 from kda_harness import Row, common_metadata, random_inputs, random_layer, random_pools
 
-from vllm.attention.backend import AttentionCGSupport
 from vllm.attention.kda.metadata import KDAAttention, KDAMetadataBuilder, KDARows
 from vllm.attention.kda.torch_ref import TorchKDABackend
 
@@ -177,7 +176,7 @@ def spec_common(rows: list[Row], cols: list[list[int]], accepted: list[int]):
 
 
 def builder() -> KDAMetadataBuilder:
-    return KDAMetadataBuilder(AttentionCGSupport.ALWAYS)
+    return KDAMetadataBuilder(TorchKDABackend)
 
 
 COLS = [[5, 9, 2, 30], [11, 3, 17, 8], [21, 14, 6, 33], [25, 1, 19, 12], [7, 28, 16, 24]]

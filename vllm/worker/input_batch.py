@@ -5,6 +5,8 @@ buffer to the device. Graph capture (later) relies on the device tensors never m
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -14,15 +16,17 @@ from vllm.core.scheduler import SchedulerOutput
 
 
 class CpuGpuBuffer:
+    """A host buffer and its device twin. Separate storage even on a CPU device, so the device side can be
+    re-cut (trim_on_device) or padded (pad_for_graph) without touching the host view, exactly as on a GPU."""
+
     def __init__(self, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.np = self.cpu.numpy()
-        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
 
     def copy_to_device(self, n: int) -> torch.Tensor:
-        if self.gpu is not self.cpu:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
         return self.gpu[:n]
 
 
@@ -32,6 +36,9 @@ class InputBatch:
         self.block_size = block_size
         self.spec = slots_per_request > 1
         self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        # The step's tokens as scheduled, placeholder drafts still -1: the rejection sampler's draft ids when
+        # the device re-cuts rows (trim_on_device).
+        self.draft_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
@@ -59,8 +66,9 @@ class InputBatch:
         for s, start in zip(scheduled, starts.tolist()):
             drafts = s.draft_token_ids
             tokens += s.request.token_ids_slice(start, start + s.num_tokens - len(drafts))
-            tokens += [max(t, 0) for t in drafts]  # a placeholder runs as token 0; it is always rejected
-        self.input_ids.np[:T] = tokens
+            tokens += drafts
+        self.draft_ids.np[:T] = tokens
+        np.maximum(self.draft_ids.np[:T], 0, out=self.input_ids.np[:T])  # a placeholder runs as token 0
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
         positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
@@ -78,6 +86,8 @@ class InputBatch:
             self.slot_mapping.np[:T] = -1
         self.input_ids.copy_to_device(T)
         self.positions.copy_to_device(T)
+        if self.spec:
+            self.draft_ids.copy_to_device(T)
         slots = self.state_indices.copy_to_device(n_reqs)
         slots_cpu = self.state_indices.cpu[:n_reqs]
         if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
@@ -147,3 +157,27 @@ class InputBatch:
             self.num_accepted.gpu[num_reqs:graph_reqs] = 1
         if graph_tokens > num_tokens:
             self.slot_mapping.gpu[num_tokens:graph_tokens] = -1
+
+    def trim_on_device(self, common: CommonAttentionMetadata, cpu_lens: list[int],
+                       device_lens: torch.Tensor) -> CommonAttentionMetadata:
+        """Re-cuts an all-verify step after prepare(): row r keeps its first device_lens[r] scheduled tokens
+        (its current token, then drafts), while the host metadata shows cpu_lens, which may differ row by row
+        but has the same total. Token ids, draft ids, positions, cache rows and lengths are gathered on the
+        device from the scheduled layout; max_query_len stays the scheduled (untrimmed) bound."""
+        n = common.num_reqs
+        T = sum(cpu_lens)
+        assert len(cpu_lens) == n and T <= common.num_actual_tokens
+        full_qsl = common.query_start_loc.long()
+        qsl = torch.zeros(n + 1, dtype=torch.long, device=full_qsl.device)
+        torch.cumsum(device_lens.long(), 0, out=qsl[1:])
+        tok = torch.arange(T, device=qsl.device)
+        row = torch.searchsorted(qsl[1:], tok, right=True)
+        src = full_qsl[row] + tok - qsl[row]
+        for buf in (self.input_ids, self.draft_ids, self.positions, self.slot_mapping):
+            buf.gpu[:T] = buf.gpu[src]
+        full_lens = full_qsl[1:] - full_qsl[:-1]
+        self.seq_lens.gpu[:n] -= (full_lens - device_lens.long()).to(torch.int32)
+        self.query_start_loc.gpu[:n + 1] = qsl.to(torch.int32)
+        self.query_start_loc.np[1:n + 1] = np.cumsum(cpu_lens)
+        # seq_lens_cpu keeps the scheduled lengths: an upper bound of the device values.
+        return dataclasses.replace(common, num_actual_tokens=T, slot_mapping=self.slot_mapping.gpu[:T])

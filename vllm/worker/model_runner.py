@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,10 @@ from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGra
 from vllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+# (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run)
+DeviceTrimHook = Callable[[SchedulerOutput, CommonAttentionMetadata], tuple[list[int], torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -69,8 +74,21 @@ class ModelRunner:
         self.num_spec = config.num_speculative_tokens
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
+        self.device_trim_hook: DeviceTrimHook | None = None
         self.dispatcher = CudaGraphDispatcher([])
         self.graphs: CUDAGraphRunner | None = None
+
+    def set_device_trim_hook(self, hook: DeviceTrimHook | None) -> None:
+        """Installs the adaptive-verification seam: on a step where every row verifies drafts, the hook gets
+        the scheduled step and its metadata and returns (cpu_lens, device_lens): new row lengths (each
+        1..scheduled, same total) as the host metadata shows them and as the device runs them. Only backends
+        that take row lengths from the device offsets can run such steps."""
+        builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
+        unable = [type(b).__name__ for b in builders if not b.supports_device_cpu_query_lens_mismatch()]
+        if hook is not None and unable:
+            raise ValueError(f"trimming drafts on the device needs attention backends that read row lengths from "
+                             f"the device offsets; {', '.join(unable)} read the host copies")
+        self.device_trim_hook = hook
 
     def _cudagraph_mode(self) -> CUDAGraphMode:
         """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
@@ -190,6 +208,10 @@ class ModelRunner:
         """One step. `sampling` covers the sampling rows without drafts, `spec_sampling` the verify rows, each
         in step order."""
         common = self.input_batch.prepare(out, kv)
+        trimmed = None
+        if self.device_trim_hook is not None and out.scheduled and all(s.draft_token_ids for s in out.scheduled):
+            trimmed, device_lens = self.device_trim_hook(out, common)
+            common = self.input_batch.trim_on_device(common, trimmed, device_lens)
         T = common.num_actual_tokens
         desc = self._graph_for(common)
         if desc is None:
@@ -201,7 +223,9 @@ class ModelRunner:
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
-        if verify_rows:
+        if trimmed is not None:
+            self._verify_on_device(out, hidden, common, trimmed, spec_sampling, result)
+        elif verify_rows:
             self._verify(out, hidden, ends, verify_rows, spec_sampling, result)
         if sample_rows:
             idx = torch.tensor([ends[r] - 1 for r in sample_rows], device=self.device)
@@ -228,6 +252,21 @@ class ModelRunner:
         for r, row in zip(rows, tokens):
             # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
             result.sampled[out.scheduled[r].request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+
+    def _verify_on_device(self, out: SchedulerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
+                          cpu_lens: list[int], sampling: SamplingMetadata, result: ModelRunnerOutput) -> None:
+        """Rejection-sample a step whose rows the device re-cut: every token is a logits row, the row offsets
+        (cu_num_logits) are the device ones and a row's drafts are its tokens after the first."""
+        T = common.num_actual_tokens
+        qsl = common.query_start_loc
+        first = torch.zeros(T, dtype=torch.bool, device=self.device)
+        first[qsl[:-1].long()] = True
+        drafts = self.input_batch.draft_ids.gpu[:T][~first]
+        meta = SpecDecodeMetadata(drafts, [n - 1 for n in cpu_lens], qsl)
+        logits = self.model.compute_logits(hidden[:T])
+        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec).tolist()
+        for s, row in zip(out.scheduled, tokens):
+            result.sampled[s.request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: ModelRunnerOutput) -> None:

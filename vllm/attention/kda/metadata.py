@@ -79,6 +79,9 @@ class KDABackend(AttentionBackend):
     # Whether its decode path writes checkpoint columns (2-D state_indices + num_accepted_tokens), which
     # speculative decoding needs.
     decode_checkpoints: ClassVar[bool] = False
+    # Whether its decode path takes row lengths from the device offsets only (never the host copies), so
+    # the device may trim rows after the host metadata was built.
+    decode_reads_device_offsets: ClassVar[bool] = False
 
     @classmethod
     def builder(cls, block_size: int) -> AttentionMetadataBuilder:
@@ -100,13 +103,15 @@ class KDABackend(AttentionBackend):
 class KDAMetadataBuilder(AttentionMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
 
-    def __init__(self, decode_support: AttentionCGSupport) -> None:
+    def __init__(self, decode: type[KDABackend]) -> None:
         # Graphs hold decode steps only, so the decode backend's support is the pair's.
-        self.cudagraph_support = decode_support
+        self.cudagraph_support = decode.decode_cudagraph_support
+        self.decode_reads_device_offsets = decode.decode_reads_device_offsets
 
-    @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return True  # an all-decode step reads the device offsets; a mixed step is never a graph replay
+    def supports_device_cpu_query_lens_mismatch(self) -> bool:
+        # An all-decode step hands the device offsets to the decode kernel; a step with a prompt chunk is
+        # built on the host and never trimmed.
+        return self.decode_reads_device_offsets
 
     def build(self, common: CommonAttentionMetadata) -> KDAMetadata:
         """Rows split by request state. With checkpoint columns (speculative decoding) every decode row, drafts
@@ -176,7 +181,7 @@ class KDAAttention:
         self.name = prefill.name if prefill is decode else f"{prefill.name}+{decode.name}"
 
     def builder(self, block_size: int) -> KDAMetadataBuilder:
-        return KDAMetadataBuilder(self.decode.decode_cudagraph_support)
+        return KDAMetadataBuilder(self.decode)
 
     def forward(self, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
                 output_gate: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,

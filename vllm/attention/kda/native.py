@@ -249,6 +249,7 @@ class NativeKDABackend(KDABackend):
     name = "native"
     runs_decode = True
     decode_checkpoints = True
+    decode_reads_device_offsets = True
     # Row lengths come from the device offsets and the grid from (N, H): any decode batch replays.
     decode_cudagraph_support = AttentionCGSupport.ALWAYS
 

@@ -1,0 +1,104 @@
+"""The adaptive-verification seam: drafts trimmed on the device after the host metadata was built (host and
+device row lengths differ row by row, same total) still give exactly the tokens of a run without speculation,
+because every kernel and the rejection sampler read the device offsets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_MODEL_DIR
+
+
+class RightDrafts:
+    """Always proposes the next K tokens of the reference run, so only the trimming decides what is verified."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], K: int) -> None:
+        self.reference, self.K = reference, K
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        for prompt, ref in self.reference.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                return list(ref[done:done + self.K])
+        raise AssertionError("a request the proposer does not know")
+
+
+def uneven_trim(calls: list):
+    """Odd rows lose two drafts on the device; the host shows the same total spread evenly: with two rows
+    of 1 + 3 tokens that is host [3, 3], device [4, 2]."""
+    def hook(out, common):
+        scheduled = common.query_lens_cpu.tolist()
+        device = [n if r % 2 == 0 else max(1, n - 2) for r, n in enumerate(scheduled)]
+        total, rows = sum(device), len(device)
+        host = [total // rows + (r < total % rows) for r in range(rows)]
+        calls.append((host, device))
+        return host, torch.tensor(device, dtype=torch.int32, device=common.query_start_loc.device)
+    return hook
+
+
+def _llm(model_dir, backends, **kwargs) -> LLM:
+    return LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+               max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=True, **backends, **kwargs)
+
+
+def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
+    gen = torch.Generator().manual_seed(1)
+    batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (7, 12, 9)]
+    # Three rows first (the trimmed middle row shifts the last one), then two once the third is done.
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 12, 4)]
+    want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
+    llm = _llm(model_dir, graph_backends, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.llm_engine.proposer = RightDrafts({tuple(p["prompt_token_ids"]): w for p, w in zip(batch, want)}, 3)
+    calls = []
+    llm.llm_engine.runner.set_device_trim_hook(uneven_trim(calls))
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == want
+    assert ([3, 3], [4, 2]) in calls, "the host [3, 3] / device [4, 2] step ran"
+    stats = llm.llm_engine.spec_decode_stats
+    # Trimmed drafts count as rejected: fewer accepted than proposed although every draft was right.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_backends_reading_host_lengths_refuse_the_hook(tmp_path):
+    llm = LLM(device="cpu", max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="read the host copies"):
+        llm.llm_engine.runner.set_device_trim_hook(uneven_trim([]))
+
+
+def test_trim_on_device_recuts_every_per_token_buffer():
+    from vllm.config import SchedulerConfig
+    from vllm.core.kv_cache_manager import KVCacheManager
+    from vllm.core.request import Request
+    from vllm.core.scheduler import Scheduler
+    from vllm.worker.input_batch import InputBatch
+    K, bs = 3, 4
+    kv = KVCacheManager(64, bs, 1 + 3 * (1 + K), needs_blocks=True, needs_slots=True, slots_per_request=1 + K)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64), kv, K)
+    reqs = [Request(r, list(range(10 * i + 5, 10 * i + 5 + n)), SamplingParams(max_tokens=8), 8, speculate=True)
+            for i, (r, n) in enumerate([("a", 6), ("b", 9), ("c", 3)])]
+    for r in reqs:
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {r.request_id: [200 + i] for i, r in enumerate(reqs)})
+    for r, drafts in zip(reqs, ([1, 2, 3], [4, 5, 6], [7, -1, -1])):
+        r.spec_token_ids = drafts  # -1 stand for placeholders: they must stay -1 as draft ids
+    out = sched.schedule()
+    batch = InputBatch(3, 32, 16, bs, torch.device("cpu"), slots_per_request=1 + K)
+    full = batch.prepare(out, kv)
+    assert full.query_lens_cpu.tolist() == [4, 4, 4]
+    ids, drafts, pos = (b.gpu[:12].tolist() for b in (batch.input_ids, batch.draft_ids, batch.positions))
+    slots, seq_lens = batch.slot_mapping.gpu[:12].tolist(), batch.seq_lens.gpu[:3].tolist()
+
+    device = [2, 4, 3]
+    common = batch.trim_on_device(full, [3, 3, 3], torch.tensor(device, dtype=torch.int32))
+    keep = [4 * r + j for r, n in enumerate(device) for j in range(n)]  # row r keeps its first n tokens
+    assert common.query_start_loc.tolist() == [0, 2, 6, 9] and common.query_start_loc_cpu.tolist() == [0, 3, 6, 9]
+    assert (common.num_actual_tokens, common.max_query_len) == (9, 4)  # the bound stays the scheduled one
+    assert batch.input_ids.gpu[:9].tolist() == [ids[i] for i in keep]
+    assert batch.draft_ids.gpu[:9].tolist() == [drafts[i] for i in keep]
+    assert batch.draft_ids.gpu[6:9].tolist() == [200 + 2, 7, -1]
+    assert batch.positions.gpu[:9].tolist() == [pos[i] for i in keep]
+    assert common.slot_mapping.tolist() == [slots[i] for i in keep]
+    assert common.seq_lens.tolist() == [s - (4 - n) for s, n in zip(seq_lens, device)]
+    assert common.seq_lens_cpu.tolist() == seq_lens  # the host keeps the scheduled lengths as an upper bound
