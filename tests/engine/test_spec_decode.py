@@ -69,9 +69,10 @@ def test_ngram_speculation_is_lossless(device, K):
     finish(llm)
 
 
-def _scripted_run(device, K, batch, params, **kwargs):
-    want = make_llm(device, **kwargs).generate(batch, params, use_tqdm=False)
-    llm = make_llm(device, K, **kwargs)
+def _scripted_run(device, K, batch, params, graphs=False, **kwargs):
+    want = make_llm(device, enforce_eager=True, **kwargs).generate(batch, params, use_tqdm=False)
+    graph_config = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}
+    llm = make_llm(device, K, compilation_config=graph_config if graphs else None, **kwargs)
     vocab = llm.llm_engine.vocab_size
     reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(batch, want)}
     llm.llm_engine.proposer = ScriptedProposer(reference, K, vocab)
@@ -80,13 +81,15 @@ def _scripted_run(device, K, batch, params, **kwargs):
     return want, got, llm, steps
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,graphs", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", True, marks=pytest.mark.gpu)],
+                         ids=["cpu", "cuda-eager", "cuda-graphs"])
 @pytest.mark.parametrize("K", [1, 3, 7])
-def test_scripted_drafts_are_lossless_and_counted(device, K):
+def test_scripted_drafts_are_lossless_and_counted(device, graphs, K):
     # 33 tokens with a 32-token budget: the last prompt token runs as a padded tail (K placeholders).
     batch = repetitive_prompts([33, 40, 1, 77, 16, 23], seed=10 + K)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    want, got, llm, steps = _scripted_run(device, K, batch, params)
+    want, got, llm, steps = _scripted_run(device, K, batch, params, graphs)
     assert token_ids(got) == token_ids(want)
     # The padded tail ran as a verify row: tag K (or fewer if the budget trimmed it), placeholders only.
     first_steps = [row for step in steps[:3] for row in step]
@@ -106,6 +109,8 @@ def test_scripted_drafts_are_lossless_and_counted(device, K):
         stats.num_accepted_tokens_per_pos
     assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
     assert stats.mean_acceptance_length > 1
+    if graphs:
+        assert llm.llm_engine.runner.graphs is not None, "FULL_DECODE_ONLY was asked for and graphs were captured"
     finish(llm)
 
 
