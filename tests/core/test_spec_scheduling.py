@@ -334,3 +334,13 @@ def test_preemption_clears_drafts_and_resets_accepted():
     update(s, out)
     s.abort(["b"])
     s.kv.assert_all_free()
+
+
+def test_drafts_never_exceed_the_checkpoint_columns():
+    # A proposer handing over more than K drafts must not overrun the request's 1 + K state columns.
+    s = make()
+    a = spec_request("a", 3)
+    to_decoding(s, a)
+    a.spec_token_ids = list(range(60, 60 + 2 * K))
+    out = s.schedule()
+    assert out.scheduled[0].draft_token_ids == list(range(60, 60 + K)) and out.scheduled[0].num_tokens == 1 + K

@@ -105,13 +105,13 @@ class Scheduler:
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a running request verifies this step, given n known tokens scheduled and the budget."""
-        room = budget - n
+        room = min(budget - n, self.num_spec)  # never more drafts than the request has checkpoint columns
         if not req.is_prefilling:
             return req.spec_token_ids[:room]
         # The padded prompt tail: one prompt token left and prior state to continue from.
         if (self.num_spec and req.speculate and req.num_computed_tokens > 0
                 and req.num_tokens - req.num_computed_tokens == 1 == n):
-            k = min(self.num_spec, room, self.config.max_model_len - req.num_tokens)
+            k = min(room, self.config.max_model_len - req.num_tokens)
             return [PLACEHOLDER_TOKEN_ID] * max(k, 0)
         return []
 

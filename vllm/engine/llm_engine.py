@@ -128,8 +128,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        sampling = self._sampling_metadata([s.request for s in sched.scheduled if s.samples and not s.draft_token_ids])
-        spec_sampling = self._sampling_metadata([s.request for s in sched.scheduled if s.draft_token_ids])
+        rows = sched.scheduled
+        sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids])
+        spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids])
         result = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling)
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
