@@ -15,10 +15,10 @@ GRAPH_BACKENDS = dict(attention_backend="TRITON_MLA", kda_prefill_backend="torch
 
 
 class ReplayByRerun:
-    """CUDAGraphRunner's interface; `replay` reruns what `capture` was given and counts what it replayed."""
+    """CUDAGraphRunner's interface; `replay` reruns what `capture` was given."""
 
     def __init__(self, device) -> None:
-        self.fns, self.replayed = {}, []
+        self.fns = {}
 
     def capture(self, desc, fn, warmup: int = 1) -> None:
         fn()
@@ -28,7 +28,6 @@ class ReplayByRerun:
         return desc in self.fns
 
     def replay(self, desc):
-        self.replayed.append(desc)
         return self.fns[desc]()
 
 

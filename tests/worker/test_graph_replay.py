@@ -24,9 +24,14 @@ def _generate(model_dir, batch, params, reference=None, **kwargs):
     if reference is not None:  # drafts right and wrong by design, so verify rows of 0..K drafts replay
         K = llm.llm_engine.num_spec
         llm.llm_engine.proposer = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
+    replayed = []
+    graphs = llm.llm_engine.runner.graphs
+    if graphs is not None:  # record what replays, real CUDA graphs or the CPU stand-in alike
+        replay = graphs.replay
+        graphs.replay = lambda desc: replayed.append(desc) or replay(desc)
     outs = llm.generate(batch, params, use_tqdm=False)
     llm.llm_engine.kv_cache_manager.assert_all_free()
-    return llm, [o.outputs[0].token_ids for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs], replayed
 
 
 @pytest.mark.parametrize("K", [0, 2])
@@ -36,15 +41,14 @@ def test_graph_replay_equals_eager(graph_backends, model_dir, K):
     batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (9, 3, 20)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": K} if K else None
-    _, eager = _generate(model_dir, batch, params, enforce_eager=True, **graph_backends)
+    _, eager, _ = _generate(model_dir, batch, params, enforce_eager=True, **graph_backends)
     reference = {tuple(p["prompt_token_ids"]): out for p, out in zip(batch, eager)} if K else None
-    llm, graphed = _generate(model_dir, batch, params, reference, speculative_config=spec, **graph_backends,
+    llm, graphed, replayed = _generate(model_dir, batch, params, reference, speculative_config=spec, **graph_backends,
                              compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
                                                  "cudagraph_capture_sizes": [4, 12]})
     runner = llm.llm_engine.runner
     assert runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY
     assert graphed == eager
-    replayed = runner.graphs.replayed
     assert replayed, "decode steps were meant to replay graphs"
     assert all(d.max_query_len == 1 + K for d in replayed), "only bounded decode/verify graphs replay"
     assert any(d.num_reqs > 3 for d in replayed), "three requests on 4-request graphs: padding rows replayed"
