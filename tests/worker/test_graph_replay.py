@@ -54,3 +54,18 @@ def test_graph_replay_equals_eager(graph_backends, model_dir, K):
     assert any(d.num_reqs > 3 for d in replayed), "three requests on 4-request graphs: padding rows replayed"
     if K:
         assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0, "verify rows kept drafts in graphs"
+
+
+def test_a_failed_capture_names_the_backends_and_the_way_out(graph_backends, model_dir, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the stand-in capture is the CPU path")
+    from vllm.worker import model_runner
+
+    def refuse(self, desc, fn, warmup=1):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    # model_runner.CUDAGraphRunner is the fixture's stand-in here.
+    monkeypatch.setattr(model_runner.CUDAGraphRunner, "capture", refuse)
+    with pytest.raises(RuntimeError, match=r"KDA decode native.*--enforce-eager"):
+        LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+            compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4]},
+            **graph_backends)

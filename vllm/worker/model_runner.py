@@ -61,8 +61,9 @@ class ModelRunner:
                              kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim,
                              block_size=cc.block_size, num_speculative_tokens=config.num_speculative_tokens)
         backends = select_backends(config.kernel_config, self.device, self.dtype, shapes)
-        logger.info("attention backends: MLA %s, KDA prefill %s, KDA decode %s", backends.mla.name,
-                    backends.kda.prefill.name, backends.kda.decode.name)
+        self.backend_names = (f"MLA {backends.mla.name}, KDA prefill {backends.kda.prefill.name}, "
+                              f"KDA decode {backends.kda.decode.name}")
+        logger.info("attention backends: %s", self.backend_names)
         self.model = load_model(mc.model, self.dtype, self.device, backends, mc.hf_config)
         self.hf_config = mc.hf_config
         self.block_size = config.cache_config.block_size
@@ -142,7 +143,12 @@ class ModelRunner:
             common = batch.graph_metadata(n, T, max_q, sc.max_model_len)
             # Metadata is built inside the capture: its device-side work then reruns on every replay
             # against the refilled buffers, and its host-side choices are fixed by the descriptor.
-            self.graphs.capture(desc, functools.partial(self._forward, T, common))
+            try:
+                self.graphs.capture(desc, functools.partial(self._forward, T, common))
+            except RuntimeError as e:  # e.g. a kernel that syncs with the host cannot be captured
+                raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({e}); backends: "
+                                   f"{self.backend_names}; run with --enforce-eager or "
+                                   '--compilation-config \'{"cudagraph_mode": "NONE"}\'') from e
         logger.info("captured %d CUDA graphs (%s), %d..%d tokens", len(descs), self.cudagraph_mode.value,
                     min(sizes), max(sizes))
 
