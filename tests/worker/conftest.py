@@ -24,9 +24,6 @@ class ReplayByRerun:
         fn()
         self.fns[desc] = fn
 
-    def __contains__(self, desc) -> bool:
-        return desc in self.fns
-
     def replay(self, desc):
         return self.fns[desc]()
 

@@ -94,10 +94,6 @@ class CudaGraphDispatcher:
         self.descriptors = sorted(descriptors, key=lambda d: (d.uniform_query_len is None, d.max_query_len is None,
                                                               d.num_tokens, d.num_reqs))
 
-    @property
-    def max_num_tokens(self) -> int:
-        return max((d.num_tokens for d in self.descriptors), default=0)
-
     def dispatch(self, num_tokens: int, num_reqs: int, max_query_len: int | None,
                  uniform_query_len: int | None) -> BatchDescriptor | None:
         """The preferred compatible graph, or None to run eagerly.
@@ -124,9 +120,6 @@ class CUDAGraphRunner:
         with torch.cuda.device(self.device):
             self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    def __contains__(self, desc: BatchDescriptor) -> bool:
-        return desc in self.graphs
 
     def capture(self, desc: BatchDescriptor, fn: Callable[[], torch.Tensor], warmup: int = 1) -> None:
         """Record `fn` as the graph for `desc` and keep its output tensor.
