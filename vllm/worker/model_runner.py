@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -229,10 +230,16 @@ class ModelRunner:
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
-        if trimmed is not None:
-            self._verify_on_device(out, hidden, common, trimmed, spec_sampling, result)
+        if trimmed is not None:  # the device re-cut an all-verify step: every token is a logits row
+            self._verify(out, hidden, verify_rows, torch.arange(T, device=self.device), common.query_start_loc,
+                         [n - 1 for n in trimmed], spec_sampling, result)
         elif verify_rows:
-            self._verify(out, hidden, ends, verify_rows, spec_sampling, result)
+            drafts = [len(out.scheduled[r].draft_token_ids) for r in verify_rows]
+            token_idx = np.concatenate([np.arange(ends[r] - d - 1, ends[r]) for r, d in zip(verify_rows, drafts)])
+            cu = np.zeros(len(drafts) + 1, dtype=np.int32)
+            np.cumsum(np.add(drafts, 1), out=cu[1:])
+            self._verify(out, hidden, verify_rows, torch.from_numpy(token_idx).to(self.device),
+                         torch.from_numpy(cu).to(self.device), drafts, spec_sampling, result)
         if sample_rows:
             idx = torch.tensor([ends[r] - 1 for r in sample_rows], device=self.device)
             sampled = self.sampler(self.model.compute_logits(hidden[idx]), sampling)
@@ -247,32 +254,23 @@ class ModelRunner:
         self._prompt_logprobs(out, hidden, ends, result)
         return result
 
-    def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int], rows: list[int],
-                sampling: SamplingMetadata, result: ModelRunnerOutput) -> None:
-        """Rejection-sample the verify rows: logits at each draft position and the bonus position."""
-        drafts = [out.scheduled[r].draft_token_ids for r in rows]
-        idx = torch.cat([torch.arange(ends[r] - len(d) - 1, ends[r]) for r, d in zip(rows, drafts)])
-        logits = self.model.compute_logits(hidden[idx.to(self.device)])
-        meta = SpecDecodeMetadata.from_drafts(drafts, self.device)
+    def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
+                cu_num_logits: torch.Tensor, num_draft_tokens: list[int], sampling: SamplingMetadata,
+                result: ModelRunnerOutput) -> None:
+        """Rejection-sample the verify `rows`. token_idx (device) lists each row's tokens in the step (its
+        current token, then its drafts), each one a logits row; cu_num_logits (device) cuts them into rows. The
+        drafts are read from the input batch's device draft ids (placeholders still -1), so nothing is uploaded
+        again; the host draft counts have the device total and only size the output."""
+        logits = self.model.compute_logits(hidden[token_idx])
+        first = torch.zeros(token_idx.shape[0], dtype=torch.bool, device=self.device)
+        first[cu_num_logits[:-1].long()] = True
+        draft_rows = (~first).nonzero_static(size=sum(num_draft_tokens)).squeeze(1)  # no host sync
+        drafts = self.input_batch.draft_ids.gpu[token_idx[draft_rows]]
+        meta = SpecDecodeMetadata(drafts, num_draft_tokens, cu_num_logits)
         tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec).tolist()
         for r, row in zip(rows, tokens):
             # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
             result.sampled[out.scheduled[r].request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
-
-    def _verify_on_device(self, out: SchedulerOutput, hidden: torch.Tensor, common: CommonAttentionMetadata,
-                          cpu_lens: list[int], sampling: SamplingMetadata, result: ModelRunnerOutput) -> None:
-        """Rejection-sample a step whose rows the device re-cut: every token is a logits row, the row offsets
-        (cu_num_logits) are the device ones and a row's drafts are its tokens after the first."""
-        T = common.num_actual_tokens
-        qsl = common.query_start_loc
-        first = torch.zeros(T, dtype=torch.bool, device=self.device)
-        first[qsl[:-1].long()] = True
-        drafts = self.input_batch.draft_ids.gpu[:T][~first]
-        meta = SpecDecodeMetadata(drafts, [n - 1 for n in cpu_lens], qsl)
-        logits = self.model.compute_logits(hidden[:T])
-        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec).tolist()
-        for s, row in zip(out.scheduled, tokens):
-            result.sampled[s.request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: ModelRunnerOutput) -> None:
