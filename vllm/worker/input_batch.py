@@ -84,28 +84,36 @@ class InputBatch:
             self.slot_mapping.np[:T] = block_ids * bs + positions % bs
         else:
             self.slot_mapping.np[:T] = -1
-        self.input_ids.copy_to_device(T)
-        self.positions.copy_to_device(T)
-        if self.spec:
-            self.draft_ids.copy_to_device(T)
-        slots = self.state_indices.copy_to_device(n_reqs)
-        slots_cpu = self.state_indices.cpu[:n_reqs]
+        self._copy_to_device(n_reqs, T)
+        return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
+                              int(seq_lens[:n_reqs].max()) if n_reqs else 0, freeze_host=False)
+
+    def _copy_to_device(self, num_reqs: int, num_tokens: int) -> None:
+        """One host-to-device copy per buffer, of the rows the step uses."""
+        self.query_start_loc.copy_to_device(num_reqs + 1)
+        for buf in (self.seq_lens, self.block_table, self.state_indices, self.num_accepted):
+            buf.copy_to_device(num_reqs)
+        for buf in (self.input_ids, self.positions, self.slot_mapping, self.draft_ids):
+            buf.copy_to_device(num_tokens)
+
+    def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
+                  freeze_host: bool) -> CommonAttentionMetadata:
+        """The step's metadata over the buffers' first rows: device tensors are views of the persistent device
+        buffers; host tensors are views too, or frozen copies (`freeze_host`, for a graph's capture)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if freeze_host else t
+        slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
         if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
             slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
         return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.copy_to_device(n_reqs + 1),
-            query_start_loc_cpu=self.query_start_loc.cpu[:n_reqs + 1],
-            seq_lens=self.seq_lens.copy_to_device(n_reqs),
-            seq_lens_cpu=self.seq_lens.cpu[:n_reqs],
-            num_reqs=n_reqs, num_actual_tokens=T, max_query_len=int(lens.max()) if n_reqs else 0,
-            max_seq_len=int(seq_lens[:n_reqs].max()) if n_reqs else 0,
-            block_table=self.block_table.copy_to_device(n_reqs),
-            slot_mapping=self.slot_mapping.copy_to_device(T),
-            is_prefilling=self.is_prefilling[:n_reqs],
-            state_indices=slots, state_indices_cpu=slots_cpu,
-            num_draft_tokens=self.num_draft_tokens[:n_reqs],
-            num_accepted_tokens=self.num_accepted.copy_to_device(n_reqs) if self.spec else None,
-        )
+            query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
+            query_start_loc_cpu=host(self.query_start_loc.cpu[:num_reqs + 1]),
+            seq_lens=self.seq_lens.gpu[:num_reqs], seq_lens_cpu=host(self.seq_lens.cpu[:num_reqs]),
+            num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            block_table=self.block_table.gpu[:num_reqs], slot_mapping=self.slot_mapping.gpu[:num_tokens],
+            is_prefilling=host(self.is_prefilling[:num_reqs]), state_indices=slots,
+            state_indices_cpu=host(slots_cpu), num_draft_tokens=host(self.num_draft_tokens[:num_reqs]),
+            num_accepted_tokens=self.num_accepted.gpu[:num_reqs] if self.spec else None)
 
     def fill_for_capture(self, num_reqs: int, num_tokens: int, max_query_len: int) -> None:
         """Harmless inputs for capturing a graph of this shape: tokens spread evenly over requests with no
@@ -123,29 +131,14 @@ class InputBatch:
         self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
         self.num_accepted.np[:num_reqs] = 1
         self.is_prefilling_np[:num_reqs] = False
-        for buf, n in ((self.query_start_loc, num_reqs + 1), (self.seq_lens, num_reqs), (self.input_ids, num_tokens),
-                       (self.positions, num_tokens), (self.slot_mapping, num_tokens), (self.block_table, num_reqs),
-                       (self.state_indices, num_reqs), (self.num_accepted, num_reqs)):
-            buf.copy_to_device(n)
+        self._copy_to_device(num_reqs, num_tokens)
 
     def graph_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int,
                        max_seq_len: int) -> CommonAttentionMetadata:
-        """Metadata over the persistent buffers for a graph of this shape: every device tensor is a view of a
-        buffer that later steps refill in place (the replayed kernels read fixed addresses). Host tensors are
-        frozen copies of the capture's values: a graph replays the host decisions it was captured with, so
-        nothing may read later host values through this metadata."""
-        slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
-        if not self.spec:
-            slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
-        return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
-            query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1].clone(),
-            seq_lens=self.seq_lens.gpu[:num_reqs], seq_lens_cpu=self.seq_lens.cpu[:num_reqs].clone(),
-            num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            block_table=self.block_table.gpu[:num_reqs], slot_mapping=self.slot_mapping.gpu[:num_tokens],
-            is_prefilling=self.is_prefilling[:num_reqs].clone(), state_indices=slots,
-            state_indices_cpu=slots_cpu.clone(), num_draft_tokens=self.num_draft_tokens[:num_reqs].clone(),
-            num_accepted_tokens=self.num_accepted.gpu[:num_reqs] if self.spec else None)
+        """Metadata for capturing a graph of this shape. Its device tensors are views of buffers that later
+        steps refill in place (the replayed kernels read fixed addresses); its host tensors are frozen copies
+        of the capture's values, since a graph replays the host decisions it was captured with."""
+        return self._metadata(num_reqs, num_tokens, max_query_len, max_seq_len, freeze_host=True)
 
     def pad_for_graph(self, num_reqs: int, num_tokens: int, graph_reqs: int, graph_tokens: int) -> None:
         """After prepare(): zero-length requests on the null slot and tokens that write nothing, up to a
