@@ -134,13 +134,17 @@ def test_requests_that_cannot_speculate_share_steps_with_verify_rows(device):
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, min_tokens=4)]
     want = make_llm(device).generate(batch, params, use_tqdm=False)
     llm = make_llm(device, 3)
+    reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(batch, want)}
+    llm.llm_engine.proposer = ScriptedProposer(reference, 3, llm.llm_engine.vocab_size)
     steps = record_tags(llm)
     got = llm.generate(batch, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)
     for a, b in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):
         assert a.keys() == b.keys()
     assert [o.metrics.spec_num_drafts for o in got[1:]] == [0, 0]
-    assert any(t > 0 for step in steps for t, _ in step) or got[0].metrics.spec_num_drafts == 0
+    # The first request did verify drafts, in the same steps as the other two decoded one token each.
+    assert got[0].metrics.spec_num_drafts > 0
+    assert any(sorted(t for t, _ in step) in ([0, 0, 1], [0, 0, 2], [0, 0, 3]) for step in steps)
     finish(llm)
 
 

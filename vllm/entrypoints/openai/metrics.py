@@ -28,9 +28,7 @@ class _EngineCollector:
                   ("vllm:num_free_blocks", "Free MLA cache blocks.", s.num_free_blocks),
                   ("vllm:num_free_state_slots", "Free KDA recurrent-state slots.", s.num_free_slots)]
         for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=list(self.labels))
-            g.add_metric(list(self.labels.values()), value)
-            yield g
+            yield self._family(GaugeMetricFamily, name, doc, value)
         counters = [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
                     ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)]
         spec = s.spec_decode
@@ -40,9 +38,7 @@ class _EngineCollector:
                          ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
                          ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
         for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=list(self.labels))
-            c.add_metric(list(self.labels.values()), value)
-            yield c
+            yield self._family(CounterMetricFamily, name, doc, value)
         if spec is not None:
             c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted, by position in the draft.",
@@ -50,6 +46,12 @@ class _EngineCollector:
             for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
                 c.add_metric([*self.labels.values(), str(pos)], value)
             yield c
+
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
 
 
 class Metrics:
