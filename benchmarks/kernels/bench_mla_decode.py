@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import metadata, write_json  # noqa: E402
-from timing import REFERENCE_COPY_GBPS, copy_bandwidth_gbps, time_graph  # noqa: E402
+from bench_common import write_json  # noqa: E402
+from timing import REFERENCE_COPY_GBPS, bandwidth_report, time_graph  # noqa: E402
 
 from vllm.attention.backend import CommonAttentionMetadata, LayerShapes  # noqa: E402
 from vllm.attention.selector import backend_reason, load_backend  # noqa: E402
@@ -59,12 +59,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gpu/mla_decode.json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = copy_bandwidth_gbps()
-    print(f"copy bandwidth {bw:.0f} GB/s")
-    results, skipped = [], {}
     # Rewritten after every row, so a run cut by a time limit keeps what it measured.
-    report = {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS,
-              "skipped": skipped, "results": results}
+    report, bw = bandwidth_report()
+    results, skipped = report["results"], report["skipped"]
     for H in map(int, args.heads.split(",")):
         shapes = LayerShapes(mla_num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, block_size=BS)
         names = []

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench_common
 
-from bench_common import stats  # noqa: E402
+from bench_common import metadata, stats  # noqa: E402
 
 
 def time_graph(fn: Callable[[], object], reps: int = 30, calls_per_rep: int = 20, graph: bool = True) -> dict:
@@ -58,3 +58,12 @@ def copy_bandwidth_gbps() -> float:
         us = time_graph(lambda: dst.copy_(src), reps=30, calls_per_rep=10)["median"]  # noqa: B023
         best = max(best, 2 * nbytes / (us * 1e-6) / 1e9)
     return best
+
+
+def bandwidth_report() -> tuple[dict, float]:
+    """A bandwidth benchmark's JSON skeleton (meta, copy bandwidth measured now and the reference, empty
+    `skipped` and `results`, filled and rewritten row by row) and the measured copy bandwidth in GB/s."""
+    bw = copy_bandwidth_gbps()
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    return {"meta": metadata("cuda"), "copy_bw_gbps": bw, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS,
+            "skipped": {}, "results": []}, bw
