@@ -10,7 +10,9 @@ step time and eager / graphs. Part 2 (`spec`): repetitive prompts (a random phra
 concurrency 1 and 16, with and without `--speculative-config ngram` (K = `--num-spec`), both with graphs unless
 --enforce-eager: output tokens/s of the whole generate call (median of `--repeats`), the speed-up, the mean
 acceptance length and the check that outputs are identical (speculation is lossless). The checkpoint is random
-(bench_offline_throughput.build_checkpoint): acceptance is whatever a random model's greedy text repeats.
+(bench_offline_throughput.build_checkpoint): ngram acceptance is whatever a random model's greedy text repeats,
+so a third row, `oracle`, drafts the plain run's own continuation (every draft accepted): the ceiling the
+verification path reaches on text a proposer predicts perfectly, as a trained model's repetitive output nearly is.
 """
 from __future__ import annotations
 
@@ -25,6 +27,19 @@ from bench_common import metadata, set_threads, stats, sync, write_json
 from bench_offline_throughput import build_checkpoint
 
 from vllm import LLM, SamplingParams
+
+
+class OracleProposer:
+    """Proposes the next K tokens of each request's known greedy continuation."""
+
+    def __init__(self, prompts: list[dict], outputs, K: int) -> None:
+        self.K = K
+        self.prompt_len = len(prompts[0]["prompt_token_ids"])
+        self.reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        done = len(tokens) - self.prompt_len
+        return list(self.reference[tuple(tokens[:self.prompt_len])][done:done + self.K])
 
 
 def make_llm(args, path: Path, graphs: bool, spec: dict | None, max_seqs: int) -> LLM:
@@ -113,8 +128,10 @@ def main() -> None:
             prompts = repetitive_prompts(c, args.prompt_len, cfg["vocab_size"], args.seed + c)
             row = {"concurrency": c}
             outs = {}
-            for name, s in (("plain", None), ("ngram", spec)):
+            for name, s in (("plain", None), ("ngram", spec), ("oracle", spec)):
                 llm = make_llm(args, path, not args.enforce_eager, s, max(c, 1))
+                if name == "oracle":
+                    llm.llm_engine.proposer = OracleProposer(prompts, outs["plain"], args.num_spec)
                 llm.generate(prompts, params, use_tqdm=False)  # warm-up
                 times = []
                 for _ in range(args.repeats):
@@ -131,14 +148,17 @@ def main() -> None:
                                      acceptance_rate=st.acceptance_rate, num_drafts=st.num_drafts,
                                      accepted_per_pos=st.num_accepted_tokens_per_pos)
                 del llm
-            row["identical_outputs"] = [o.outputs[0].token_ids for o in outs["plain"]] == \
-                [o.outputs[0].token_ids for o in outs["ngram"]]
+            plain = [o.outputs[0].token_ids for o in outs["plain"]]
+            row["identical_outputs"] = all([o.outputs[0].token_ids for o in outs[n]] == plain
+                                           for n in ("ngram", "oracle"))
             row["speedup"] = row["ngram"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+            row["oracle_speedup"] = row["oracle"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
             report["spec"].append(row)
             write_json(args.out, report)
             print(f"concurrency {c:3}: plain {row['plain']['tokens_per_s']:8.1f} tok/s, ngram "
                   f"{row['ngram']['tokens_per_s']:8.1f} tok/s (x{row['speedup']:.2f}, mean acceptance length "
-                  f"{row['ngram']['mean_acceptance_length']:.2f}), identical: {row['identical_outputs']}",
+                  f"{row['ngram']['mean_acceptance_length']:.2f}), oracle {row['oracle']['tokens_per_s']:8.1f} tok/s "
+                  f"(x{row['oracle_speedup']:.2f}), identical: {row['identical_outputs']}",
                   flush=True)
 
 

@@ -114,6 +114,27 @@ def test_scripted_drafts_are_lossless_and_counted(device, graphs, K):
     finish(llm)
 
 
+GPU_COMBOS = [dict(attention_backend="TRITON_MLA", kda_prefill_backend="triton", kda_decode_backend="native"),
+              dict(attention_backend="TRITON_MLA", kda_prefill_backend="torch", kda_decode_backend="native"),
+              dict(attention_backend="TRITON_MLA", kda_prefill_backend="triton", kda_decode_backend="torch"),
+              dict(attention_backend="TORCH_MLA", kda_prefill_backend="triton", kda_decode_backend="native"),
+              dict(attention_backend="TORCH_MLA", kda_prefill_backend="torch", kda_decode_backend="torch")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", GPU_COMBOS, ids=lambda b: "+".join(b.values()))
+def test_every_backend_combination_is_lossless_on_the_gpu(backends):
+    """K=7 scripted drafts with graphs asked for: combinations that cannot capture (a torch backend) run eager
+    after the logged downgrade; the graph-capable one replays its decode graphs."""
+    batch = repetitive_prompts([33, 40, 1, 77, 16, 23], seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want, got, llm, _ = _scripted_run("cuda", 7, batch, params, graphs=True, **backends)
+    assert token_ids(got) == token_ids(want)
+    graph_capable = backends["attention_backend"] == "TRITON_MLA" and backends["kda_decode_backend"] == "native"
+    assert (llm.llm_engine.runner.graphs is not None) == graph_capable
+    finish(llm)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_speculation_survives_preemption(device):
     # 6 blocks of 16 tokens cannot hold four growing requests: the newest are preempted and recomputed.
