@@ -13,6 +13,9 @@ def test_every_expert_routing_equals_grouped_routing():
     moe = KimiMoE(KimiK3TextConfig.from_dict(tiny_text_config("k3"))).double()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    moe.process_weights_after_loading()
+    assert moe.experts[1].w3.weight.data_ptr() == moe.w13[1, moe.w13.shape[1] // 2:].data_ptr(), \
+        "the experts' parameters are views into the stacked weights, not copies"
     x = torch.randn(11, moe.gate.weight.shape[1], dtype=torch.float64)
     weights, ids = moe.gate(x)
     assert len(set(ids.flatten().tolist())) > 1, "the routing must spread over several experts"

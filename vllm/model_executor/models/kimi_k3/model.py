@@ -152,3 +152,5 @@ class KimiK3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_kda:
                 layer.self_attn.process_weights_after_loading()
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.process_weights_after_loading()
