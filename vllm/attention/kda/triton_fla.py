@@ -12,9 +12,6 @@ take the gather/scatter path instead. fla-core's kernels do not run under Triton
 """
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-
 import torch
 
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
@@ -75,33 +72,15 @@ class TritonFLAKDABackend(KDABackend):
                          lower_bound=layer.gate_lower_bound, state_v_first=True, scale=K ** -0.5)
         g, beta = raw_gate[:T].view(1, T, H, K), raw_beta[:T].view(1, T, H)
         if chunked:
-            with _full_precision_dots(q.dtype):
-                o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                     safe_gate=layer.gate_lower_bound is not None,
-                                     cu_seqlens=rows.query_start_loc.long(),
-                                     cu_seqlens_cpu=rows.query_start_loc_cpu.long(), **gate_args)
+            o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                 safe_gate=layer.gate_lower_bound is not None, cu_seqlens=rows.query_start_loc.long(),
+                                 cu_seqlens_cpu=rows.query_start_loc_cpu.long(), **gate_args)
         else:
             o, final = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                inplace_final_state=False, cu_seqlens=rows.query_start_loc,
                                                **gate_args)
         ssm_state[slots] = final.to(ssm_state.dtype)
         return fused_gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
-
-
-@contextmanager
-def _full_precision_dots(dtype: torch.dtype):
-    """fp32 models get fp32 dots in fla's chunk kernels. Triton's default for fp32 `tl.dot` is TF32 (10-bit
-    mantissa): the chunked prefill then differs from the recurrent decode kernels by ~1e-3, enough to flip
-    near-tied greedy tokens when speculation moves a padded prompt tail from the prefill to the decode kernel
-    (measured on the H200: K=7 speculation diverged from plain decoding). torch's fp32 matmuls are full precision
-    by default too. The variable is set, not only the knob, because Triton's on-disk cache key includes it."""
-    if dtype != torch.float32:
-        yield
-        return
-    import triton
-    with triton.knobs.language.scope():
-        os.environ["TRITON_F32_DEFAULT"] = "ieee"
-        yield
 
 
 def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, rows: KDARows):

@@ -124,11 +124,12 @@ class KimiMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Stacks the experts' weights into one [E, 2I, in] gate/up and one [E, in, I] down tensor and makes each
         expert's parameters views into them (no second copy), for the batched every-expert path."""
-        I = self.experts[0].w1.out_features
+        inter = self.experts[0].w1.out_features
         self.w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in self.experts])
         self.w2 = torch.stack([e.w2.weight.data for e in self.experts])
         for i, e in enumerate(self.experts):
-            e.w1.weight.data, e.w3.weight.data, e.w2.weight.data = self.w13[i, :I], self.w13[i, I:], self.w2[i]
+            e.w1.weight.data, e.w3.weight.data = self.w13[i, :inter], self.w13[i, inter:]
+            e.w2.weight.data = self.w2[i]
 
     def _routed_every_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Inside a CUDA graph capture group sizes cannot reach the host, so every expert runs on every token
@@ -139,8 +140,8 @@ class KimiMoE(nn.Module):
         if not hasattr(self, "w13"):
             raise RuntimeError("KimiMoE.process_weights_after_loading() must stack the experts before the "
                                "every-expert path runs")
-        E, I = self.w13.shape[0], self.w13.shape[1] // 2
+        E, inter = self.w13.shape[0], self.w13.shape[1] // 2
         dense = torch.zeros(u.shape[0], E, dtype=torch.float32, device=u.device).scatter_(1, ids, weights)
         gate_up = torch.bmm(u.unsqueeze(0).expand(E, -1, -1), self.w13.transpose(1, 2))
-        out = torch.bmm(self.experts[0].act(gate_up[..., :I], gate_up[..., I:]), self.w2.transpose(1, 2))
+        out = torch.bmm(self.experts[0].act(gate_up[..., :inter], gate_up[..., inter:]), self.w2.transpose(1, 2))
         return torch.bmm(dense.unsqueeze(1), out.transpose(0, 1).float()).squeeze(1)

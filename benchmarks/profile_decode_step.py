@@ -1,0 +1,82 @@
+"""Where a decode step's time goes: torch.profiler tables (GPU kernels, host ops) over a few engine steps.
+
+    python benchmarks/profile_decode_step.py --config benchmarks/configs/kimi-linear-1b3.json --batch-sizes 1,16
+
+For eager and FULL_DECODE_ONLY engines on the same random checkpoint: B requests with short prompts are
+prefilled and decoded a few steps, then `--steps` steps run under the profiler. Prints the graph each step
+replayed, the kernels by GPU time, the host ops by CPU time and the median step time. This is what showed the MoE
+every-expert path putting ~2,300 small kernels into each decode graph (results/gpu/*profile_decode_step*).
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import sync
+from bench_offline_throughput import build_checkpoint
+from bench_spec_and_graphs import make_llm
+from torch.profiler import ProfilerActivity, profile
+
+from vllm import SamplingParams
+
+
+def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 20, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": list(range(5, 21))}, params)
+    for _ in range(8):  # prefill, then warm decode steps
+        engine.step()
+    runner, replayed = engine.runner, []
+    pick = runner._graph_for
+    runner._graph_for = lambda common: replayed.append(pick(common)) or replayed[-1]
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    runner._graph_for = pick
+    print(f"=== batch {batch}: replayed {replayed[-1]}")
+    for key in (("cuda_time_total",) if device == "cuda" else ()) + ("cpu_time_total",):
+        print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    print(f"median step {sorted(times)[len(times) // 2] * 1e3:.2f} ms", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="benchmarks/configs/kimi-linear-1b3.json")
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=12, help="rows per profiler table")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    args = ap.parse_args()
+    path = Path(tempfile.mkdtemp(prefix="profile_decode_"))
+    build_checkpoint(argparse.Namespace(config=args.config, device=args.device, dtype=args.dtype, seed=0), path)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    engine_args = argparse.Namespace(dtype=args.dtype, device=args.device, seed=0, prompt_len=16,
+                                     output_len=3 * args.steps + 20, num_spec=0,
+                                     gpu_memory_utilization=args.gpu_memory_utilization)
+    for graphs in (True, False):
+        print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}")
+        llm = make_llm(engine_args, path, graphs, None, max(batches))
+        for b in batches:
+            profile_steps(llm, b, args.steps, args.rows, args.device)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
