@@ -37,9 +37,9 @@ class OracleProposer:
         self.prompt_len = len(prompts[0]["prompt_token_ids"])
         self.reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def propose(self, tokens) -> list[int]:
         done = len(tokens) - self.prompt_len
-        return list(self.reference[tuple(tokens[:self.prompt_len])][done:done + self.K])
+        return list(self.reference[tuple(tokens[:self.prompt_len].tolist())][done:done + self.K])
 
 
 def make_llm(args, path: Path, graphs: bool, spec: dict | None, max_seqs: int) -> LLM:

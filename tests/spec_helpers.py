@@ -1,6 +1,8 @@
 """Shared by the speculative-decoding tests: a proposer whose drafts are right or wrong by design."""
 from __future__ import annotations
 
+import numpy as np
+
 
 class ScriptedProposer:
     """Drafts the true greedy continuation (from a run without speculation) with chosen mistakes: a request's
@@ -11,7 +13,8 @@ class ScriptedProposer:
         self.reference, self.K, self.vocab = reference, K, vocab
         self.calls: dict[tuple[int, ...], int] = {}
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def propose(self, tokens: np.ndarray) -> list[int]:
+        tokens = np.asarray(tokens).tolist()
         for r, (prompt, ref) in enumerate(self.reference.items()):
             if tuple(tokens[:len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)

@@ -3,6 +3,7 @@ device row lengths differ row by row, same total) still give exactly the tokens 
 because every kernel and the rejection sampler read the device offsets."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ class RightDrafts:
     def __init__(self, reference: dict[tuple[int, ...], list[int]], K: int) -> None:
         self.reference, self.K = reference, K
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def propose(self, tokens: np.ndarray) -> list[int]:
+        tokens = np.asarray(tokens).tolist()
         for prompt, ref in self.reference.items():
             if tuple(tokens[:len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
@@ -50,6 +51,29 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 1
     spec_stats: SpecDecodeStats | None = None
+    # all_token_ids()'s buffer and how many of its leading entries are current.
+    _token_buf: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _token_buf_len: int = field(default=0, init=False, repr=False, compare=False)
+
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt + output tokens as a read-only int64 view, extended in place by the outputs appended since the
+        last call: the ngram proposer reads every decoding request's tokens each step, and converting the whole
+        list each time cost O(context) per request per step. Outputs only grow (the scheduler appends them)."""
+        P, n = len(self.prompt_token_ids), self.num_tokens
+        assert self._token_buf_len <= n, "output_token_ids shrank under all_token_ids()"
+        if self._token_buf is None:
+            self._token_buf = np.empty(max(2 * n, 16), dtype=np.int64)
+            self._token_buf[:P] = self.prompt_token_ids
+            self._token_buf_len = P
+        if n > self._token_buf.shape[0]:
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:self._token_buf_len] = self._token_buf[:self._token_buf_len]
+            self._token_buf = grown
+        self._token_buf[self._token_buf_len:n] = self.output_token_ids[self._token_buf_len - P:]
+        self._token_buf_len = n
+        view = self._token_buf[:n]
+        view.flags.writeable = False
+        return view
 
     @property
     def num_tokens(self) -> int:

@@ -153,7 +153,7 @@ class LLMEngine:
             room = req.max_tokens - len(req.output_token_ids) - 1
             if room <= 0:
                 continue
-            drafts = self.proposer.propose(req.prompt_token_ids + req.output_token_ids)
+            drafts = self.proposer.propose(req.all_token_ids())
             req.spec_token_ids = drafts[:room]
 
     @property
