@@ -11,8 +11,9 @@ concurrency 1 and 16, with and without `--speculative-config ngram` (K = `--num-
 --enforce-eager: output tokens/s of the whole generate call (median of `--repeats`), the speed-up, the mean
 acceptance length and the check that outputs are identical (speculation is lossless). The checkpoint is random
 (bench_offline_throughput.build_checkpoint): ngram acceptance is whatever a random model's greedy text repeats,
-so a third row, `oracle`, drafts the plain run's own continuation (every draft accepted): the ceiling the
-verification path reaches on text a proposer predicts perfectly, as a trained model's repetitive output nearly is.
+so a third row, `oracle`, drafts the plain run's own continuation: every draft is accepted while the speculative
+run tracks the plain one (in fp32; in bf16 verify rows round differently and the runs drift apart), which bounds
+what verification gains on text a proposer predicts perfectly, as a trained model's repetitive output nearly is.
 """
 from __future__ import annotations
 
