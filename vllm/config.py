@@ -160,9 +160,9 @@ DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 class CompilationConfig:
     """`--compilation-config '{"cudagraph_mode": ..., "cudagraph_capture_sizes": [...]}'` and `--enforce-eager`.
 
-    cudagraph_mode: NONE (eager; the default until the graph path has run on a GPU, see docs/cuda_graphs.md),
-    FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a prefill row) or FULL (graphs
-    for mixed batches too, only if every backend is ALWAYS).
+    cudagraph_mode: NONE (eager; the default while graph memory is not counted in cache sizing, see
+    docs/spec_decode.md), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a prefill
+    row) or FULL (graphs for mixed batches too, only if every backend is ALWAYS).
     Capture sizes are token counts; None picks 1, 2, 4, 8 and multiples of 8 up to max_cudagraph_capture_size
     (rounded to multiples of 1 + num_speculative_tokens by the runner). `enforce_eager` forces NONE.
     """

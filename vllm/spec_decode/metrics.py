@@ -31,13 +31,6 @@ class SpecDecodeStats:
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
 
-    def add(self, other: SpecDecodeStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        for i, n in enumerate(other.num_accepted_tokens_per_pos):
-            self.num_accepted_tokens_per_pos[i] += n
-
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

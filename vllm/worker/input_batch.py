@@ -89,11 +89,13 @@ class InputBatch:
                               int(seq_lens[:n_reqs].max()) if n_reqs else 0, freeze_host=False)
 
     def _copy_to_device(self, num_reqs: int, num_tokens: int) -> None:
-        """One host-to-device copy per buffer, of the rows the step uses."""
+        """One host-to-device copy per buffer, of the rows the step uses (the draft ids and accepted counts only
+        when speculating: nothing reads them otherwise)."""
         self.query_start_loc.copy_to_device(num_reqs + 1)
-        for buf in (self.seq_lens, self.block_table, self.state_indices, self.num_accepted):
+        spec_reqs, spec_tokens = ((self.num_accepted,), (self.draft_ids,)) if self.spec else ((), ())
+        for buf in (self.seq_lens, self.block_table, self.state_indices, *spec_reqs):
             buf.copy_to_device(num_reqs)
-        for buf in (self.input_ids, self.positions, self.slot_mapping, self.draft_ids):
+        for buf in (self.input_ids, self.positions, self.slot_mapping, *spec_tokens):
             buf.copy_to_device(num_tokens)
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
