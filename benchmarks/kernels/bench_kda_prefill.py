@@ -1,9 +1,9 @@
 """KDA prefill per backend: one prompt of T = 512..16384 tokens at 32 and 96 heads (K=V=128, bf16).
 
 Each backend runs its whole prefill (conv, chunked KDA with the initial state gathered from the pool and the
-final state scattered back, gated RMSNorm). The peer is fla-core's `chunk_kda` alone (in-kernel gate, l2norm,
-beta sigmoid, fp32 initial state, final state out), measured in the same run. Eager calls timed with CUDA
-events, medians of many.
+final state scattered back, gated RMSNorm). The peers are fla-core's `chunk_kda` alone (in-kernel gate, l2norm,
+beta sigmoid, fp32 initial state, final state out) and, where it is importable, FlashKDA's `flash_kda.fwd` alone
+on the same inputs, measured in the same run. Eager calls timed with CUDA events, medians of many.
 
     python benchmarks/kernels/bench_kda_prefill.py --out benchmarks/results/gpu/kda_prefill.json
 """
@@ -56,6 +56,22 @@ def fla_chunk_only(layer, rows, inputs):
                              cu_seqlens_cpu=cu_cpu, A_log=layer.A_log, dt_bias=layer.dt_bias)
 
 
+def flashkda_only(layer, rows, inputs):
+    """flash_kda.fwd alone, or None where it is not importable."""
+    try:
+        import flash_kda
+    except ImportError:
+        return None
+    T, H = rows.num_tokens, layer.num_heads
+    q, k, v = (x.contiguous().view(1, T, H, K) for x in inputs[0].chunk(3, dim=-1))
+    g, beta = inputs[1].view(1, T, H, K), inputs[2].view(1, T, H)
+    h0 = torch.zeros(1, H, K, K, device="cuda")
+    out, final = torch.empty_like(v), torch.empty_like(h0)
+    A_log, dt_bias = layer.A_log.float(), layer.dt_bias.float().view(H, K)
+    return lambda: flash_kda.fwd(q, k, v, g, beta, K ** -0.5, out, A_log, dt_bias, float(layer.gate_lower_bound),
+                                 initial_state=h0, final_state=final, cu_seqlens=rows.query_start_loc.long())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--heads", default="32,96")
@@ -73,6 +89,8 @@ def main() -> None:
         for T in map(int, args.lengths.split(",")):
             rows, inputs, conv, ssm = make_prompt(H, T)
             runs = {"fla_chunk_kda_only": fla_chunk_only(layer, rows, inputs)}
+            if (alone := flashkda_only(layer, rows, inputs)) is not None:
+                runs["flash_kda_fwd_only"] = alone
             for name in args.backends.split(","):
                 reason = backend_reason("--kda-prefill-backend", name, torch.device("cuda"), torch.bfloat16, shapes)
                 if reason is not None:

@@ -23,8 +23,7 @@ def _panels(results, panel_keys, x_key, y_of, series_key="backend"):
 
 
 def _pct_bw(r: dict) -> float:
-    # Against the H200's measured copy bandwidth (shared peer run); older JSONs only have the in-run figure.
-    return r.get("pct_reference_copy_bw", r["pct_copy_bw"])
+    return r["pct_copy_bw"]  # of the file's pct_basis_gbps (timing.bandwidth_report)
 
 
 def plot(path: Path) -> Path:
@@ -32,14 +31,14 @@ def plot(path: Path) -> Path:
     res = data["results"]
     if "kda_decode" in path.name:
         panels = _panels(res, ("state_dtype", "heads"), "batch", _pct_bw)
-        xlabel, ylabel, logx = "batch (requests)", "% of 4271 GB/s copy BW (state r+w)", True
+        xlabel, ylabel, logx = "batch (requests)", f"% of {data['pct_basis_gbps']:.0f} GB/s copy BW (state r+w)", True
     elif "kda_prefill" in path.name:
         panels = _panels(res, ("heads",), "tokens", lambda r: r["ms"]["median"])
         xlabel, ylabel, logx = "prompt tokens", "ms (median)", True
     else:
         panels = _panels([r for r in res if r["heads"] == res[0]["heads"]], ("query_len", "batch"), "context",
                          _pct_bw)
-        xlabel, ylabel, logx = "context tokens", "% of 4271 GB/s copy BW (cache read)", True
+        xlabel, ylabel, logx = "context tokens", f"% of {data['pct_basis_gbps']:.0f} GB/s copy BW (cache read)", True
     keys = sorted(panels)
     cols = min(4, len(keys))
     rows = -(-len(keys) // cols)

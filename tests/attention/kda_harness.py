@@ -66,8 +66,11 @@ def common_metadata(rows: list[Row], device) -> CommonAttentionMetadata:
 
 
 def run_pair(attn: KDAAttention, layer, inputs, pools, rows: list[Row], device):
-    """One step through `attn`; returns (output, conv_pool, ssm_pool) after the step (pools copied first)."""
+    """One step through `attn`; returns (output, conv_pool, ssm_pool) after the step (pools copied first, the
+    conv pool into the layout the pair's decode backend asks for)."""
     conv, ssm = (p.clone() for p in pools)
+    if attn.conv_state_history_major:
+        conv = conv.transpose(1, 2).contiguous().transpose(1, 2)
     meta = attn.builder(16).build(common_metadata(rows, device))
     with torch.inference_mode():
         out = attn.forward(layer, *inputs, conv, ssm, meta)

@@ -13,7 +13,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits,tile", [(1, {}), (3, {}), (3, dict(block_t=4, block_c=16, num_warps=2))],
                          ids=["one_split", "qkv_splits", "small_tiles"])
-def test_ragged_conv_matches_reference(device, dtype, num_splits, tile):
+@pytest.mark.parametrize("history_major", [False, True], ids=["channels_major", "history_major"])
+def test_ragged_conv_matches_reference(device, dtype, num_splits, tile, history_major):
     pytest.importorskip("triton")
     from vllm.attention.kda.conv import causal_conv1d_silu
     gen = torch.Generator().manual_seed(0)
@@ -27,6 +28,8 @@ def test_ragged_conv_matches_reference(device, dtype, num_splits, tile):
     x = torch.randn(T, C, generator=gen).to(dtype)
     weight = torch.randn(C, W, generator=gen)
     state = torch.randn(slots, C, W - 1, generator=gen).to(dtype)
+    if history_major:  # FlashInfer's pool layout: strides [slot, 1, C]
+        state = state.transpose(1, 2).contiguous().transpose(1, 2)
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     x, weight, state, qsl = (t.to(device) for t in (x, weight, state, qsl))
     ref_state = state.clone()

@@ -6,6 +6,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.attention.selector import backend_reason
 from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
 
 REFERENCE = dict(attention_backend="TORCH_MLA", kda_prefill_backend="torch", kda_decode_backend="torch")
@@ -49,6 +50,31 @@ def test_fp32_greedy_identical_across_backends(model_dir, backends):
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 def test_bf16_log_probs_close_across_backends(model_dir, state_dtype):
+    _assert_bf16_close(model_dir, FAST[0], state_dtype)
+
+
+# FlashKDA's constraints: bf16, K = V = 128, the bounded gate (K3's).
+FLASHKDA = dict(attention_backend="TRITON_MLA", kda_prefill_backend="flashkda", kda_decode_backend="native")
+
+
+@pytest.fixture(scope="module")
+def k3_head_dim_128(tmp_path_factory):
+    lac = dict(tiny_text_config("k3")["linear_attn_config"], head_dim=128, num_heads=2)
+    return write_tiny_model(tmp_path_factory.mktemp("k3_128"), "k3", qk_rope_head_dim=16, linear_attn_config=lac)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_flashkda_prefill_end_to_end(k3_head_dim_128, state_dtype):
+    """--kda-prefill-backend flashkda in the engine: chunked prompts (initial states), mixed steps, both pools."""
+    reason = backend_reason("--kda-prefill-backend", "flashkda", torch.device("cuda"), torch.bfloat16, None)
+    if reason is not None:
+        pytest.skip(f"flashkda: {reason}")
+    _assert_bf16_close(k3_head_dim_128, FLASHKDA, state_dtype)
+
+
+def _assert_bf16_close(model_dir, fast, state_dtype):
+    """Prompt log-probs of `fast` in bf16 stay as close to the fp32 reference as the torch backends' in bf16."""
     batch = _prompts([100, 64, 120], seed=4)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
@@ -59,10 +85,11 @@ def test_bf16_log_probs_close_across_backends(model_dir, state_dtype):
 
     exact = prompt_logprobs(REFERENCE, "float32")  # fp32 model and state: the yardstick
     ref_bf16 = prompt_logprobs(REFERENCE, "bfloat16")
-    fast_bf16 = prompt_logprobs(FAST[0], "bfloat16")
+    fast_bf16 = prompt_logprobs(fast, "bfloat16")
     ref_err = float((ref_bf16 - exact).norm() / exact.norm())
     fast_err = float((fast_bf16 - exact).norm() / exact.norm())
-    print(f"bf16 ({state_dtype} state) prompt log-prob error vs fp32: torch {ref_err:.4f}, fast {fast_err:.4f}")
+    print(f"bf16 ({state_dtype} state) prompt log-prob error vs fp32: torch {ref_err:.4f}, "
+          f"{fast['kda_prefill_backend']} prefill {fast_err:.4f}")
     # Two bf16 implementations round differently; the random tiny K3 amplifies rounding (its bf16 logits are
     # 3.5-5.5% off fp32), so the fast backends are held to the reference's own bf16 error, with a margin.
     assert fast_err <= 1.5 * ref_err + 0.005

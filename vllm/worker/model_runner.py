@@ -70,6 +70,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
         self.kda_prefill_name = backends.kda.prefill.name
+        self.conv_history_major = backends.kda.conv_state_history_major
         self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -114,7 +115,7 @@ class ModelRunner:
         self.layout = plan_cache(self.config, self._profile_peak_bytes())
         lay = self.layout
         caches = allocate_layer_caches(self.hf_config, lay.num_blocks, self.block_size, lay.num_state_slots,
-                                       self.dtype, cc.mamba_ssm_cache_dtype, self.device)
+                                       self.dtype, cc.mamba_ssm_cache_dtype, self.device, self.conv_history_major)
         self.model.bind_caches(caches)
         max_blocks = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
@@ -147,8 +148,8 @@ class ModelRunner:
             # against the refilled buffers, and its host-side choices are fixed by the descriptor.
             try:
                 self.graphs.capture(desc, functools.partial(self._forward, T, common))
-            except RuntimeError as e:  # e.g. a kernel that syncs with the host cannot be captured
-                raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({e}); backends: "
+            except Exception as e:  # a kernel that syncs with the host, or glue refusing the capture's dummies
+                raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({type(e).__name__}: {e}); backends: "
                                    f"{self.backend_names}; run with --enforce-eager or "
                                    '--compilation-config \'{"cudagraph_mode": "NONE"}\'') from e
         # Cache sizing does not count the graphs' memory pool yet (docs/spec_decode.md): say what it took.
@@ -188,7 +189,8 @@ class ModelRunner:
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         blocks = -(-n // self.block_size)
         caches = allocate_layer_caches(self.hf_config, blocks, self.block_size, 1, self.dtype,
-                                       self.config.cache_config.mamba_ssm_cache_dtype, self.device)
+                                       self.config.cache_config.mamba_ssm_cache_dtype, self.device,
+                                       self.conv_history_major)
         self.model.bind_caches(caches)
         qsl = torch.tensor([0, n], dtype=torch.int32)
         common = CommonAttentionMetadata(

@@ -15,7 +15,7 @@ import triton.language as tl
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C_SPLIT, T_TOTAL, stride_x,
-                 stride_slot, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                 stride_slot, stride_c, stride_w, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     t0 = tl.program_id(1) * BLOCK_T
     # Programs tile each split separately, so a block's output columns are contiguous in y [splits, T, C_SPLIT].
@@ -38,7 +38,7 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C_
                       mask=(j >= 0)[:, None] & t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
         if t0 < W - 1:  # only a row's first tokens reach back into the cached history
             has_init = tl.load(init_ptr + r) != 0
-            tap += tl.load(state_ptr + slot * stride_slot + c[None, :] * (W - 1) + (W - 1 + j)[:, None],
+            tap += tl.load(state_ptr + slot * stride_slot + c[None, :] * stride_c + (W - 1 + j)[:, None] * stride_w,
                            mask=((j < 0) & has_init)[:, None] & t_ok[:, None] & c_ok[None, :],
                            other=0.0).to(tl.float32)
         wt = tl.load(w_ptr + c * W + w, mask=c_ok, other=0.0).to(tl.float32)
@@ -49,8 +49,8 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C_
 
 
 @triton.jit
-def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, stride_x, stride_slot,
-                         W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr):
+def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, stride_x, stride_slot, stride_c,
+                         stride_w, W: tl.constexpr, WP: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start = tl.load(qsl_ptr + r)
@@ -63,20 +63,21 @@ def _update_state_kernel(x_ptr, state_ptr, qsl_ptr, slot_ptr, init_ptr, C, strid
     i = tl.arange(0, WP)
     j = length - (W - 1) + i  # new column i holds row-local input j, or an older history column if j < 0
     ok = c_ok[:, None] & (i < W - 1)[None, :]
-    cols = state_ptr + slot * stride_slot + c[:, None] * (W - 1)
+    cols = state_ptr + slot * stride_slot + c[:, None] * stride_c
     from_x = tl.load(x_ptr + (start + j)[None, :].to(tl.int64) * stride_x + c[:, None],
                      mask=ok & (j >= 0)[None, :], other=0.0)
-    hist = tl.load(cols + (W - 1 + j)[None, :], mask=ok & ((j < 0) & has_init)[None, :], other=0.0)
+    hist = tl.load(cols + (W - 1 + j)[None, :] * stride_w, mask=ok & ((j < 0) & has_init)[None, :], other=0.0)
     new = tl.where((j >= 0)[None, :], from_x.to(tl.float32), hist.to(tl.float32))
     tl.debug_barrier()  # a short row shifts its history in place: every read lands before any write
-    tl.store(cols + i[None, :], new.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(cols + i[None, :] * stride_w, new.to(state_ptr.dtype.element_ty), mask=ok)
 
 
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                        query_start_loc: torch.Tensor, state_indices: torch.Tensor,
                        has_initial_state: torch.Tensor, max_query_len: int, num_splits: int = 1,
                        block_t: int = 32, block_c: int = 128, num_warps: int = 4) -> torch.Tensor:
-    """x [T, C] (rows by query_start_loc [N+1]); weight [C, W]; conv_state [slots, C, W-1], updated in place.
+    """x [T, C] (rows by query_start_loc [N+1]); weight [C, W]; conv_state [slots, C, W-1], updated in place, in
+    either layout: channels-major (contiguous) or history-major (FlashInfer's, strides [slot, 1, C]).
 
     Returns SiLU(conv(x)) in x's dtype as [num_splits, T, C // num_splits]: with 3 splits q, k and v each come
     out contiguous, saving the copy a kernel wanting contiguous q/k/v would make. Rows with no tokens or a
@@ -85,7 +86,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
     T, C = x.shape
     W = weight.shape[1]
     N = state_indices.shape[0]
-    assert x.stride(1) == 1 and conv_state.stride(2) == 1 and conv_state.stride(1) == W - 1
+    assert x.stride(1) == 1 and conv_state.shape[1:] == (C, W - 1)
     if C % num_splits:
         raise ValueError(f"{C} channels do not split into {num_splits} equal parts")
     y = torch.empty(num_splits, T, C // num_splits, dtype=x.dtype, device=x.device)
@@ -95,9 +96,9 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
     block_t = min(block_t, triton.next_power_of_2(max(max_query_len, 1)))
     grid = (N, triton.cdiv(max(max_query_len, 1), block_t), num_splits * triton.cdiv(C // num_splits, block_c))
     _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C // num_splits, T,
-                       x.stride(0), conv_state.stride(0), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
+                       x.stride(0), *conv_state.stride(), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
                        num_warps=num_warps)
     _update_state_kernel[(N, triton.cdiv(C, 256))](x, conv_state, query_start_loc, state_indices, init, C,
-                                                   x.stride(0), conv_state.stride(0), W=W,
+                                                   x.stride(0), *conv_state.stride(), W=W,
                                                    WP=triton.next_power_of_2(W - 1), BLOCK_C=256)
     return y

@@ -2,33 +2,31 @@
 
 Decode: `flashinfer.kda_decode.fused_kda_decode` — width-4 conv + SiLU, one KDA step and gated RMSNorm in one
 launch, one token per row. Mapping: x = mixed_qkv [N, 3P] (pre-conv); weight = conv_weight [3P, 4] as
-[3, 4, P] fp32; conv_state [slots, 3P, 3] bf16 in the "SD" layout (strides [slot, 1, 3P]; a pool in the
-engine's contiguous layout is staged through such a buffer for the rows' slots); raw_gate [1, N, H, 128];
-raw_beta [1, N, H]; A_log [H], dt_bias [P] fp32; state_indices int32 [N]; state = ssm_state [slots, H, V, K]
-fp32 or bf16 (the kernel reads row v of a head's matrix against the K channels: the engine's [V, K] layout);
-output_gate [N, H, 128]; norm_weight [128] fp32; lower_bound None selects the softplus gate. The kernel takes
-device slot indices only, so a decode batch of one-token rows can replay in a CUDA graph.
+[3, 4, P] fp32; conv_state [slots, 3P, 3] bf16 in its "SD" layout (strides [slot, 1, 3P]): the engine
+allocates the pools that way when this backend decodes (`conv_state_history_major`), and every other KDA
+kernel reads that layout through strides, so nothing is staged; raw_gate [1, N, H, 128]; raw_beta [1, N, H];
+A_log [H], dt_bias [P] fp32; state_indices int32 [N]; state = ssm_state [slots, H, V, K] fp32 or bf16 (the
+kernel reads row v of a head's matrix against the K channels: the engine's [V, K] layout); output_gate
+[N, H, 128]; norm_weight [128] fp32; lower_bound None selects the softplus gate. The kernel takes device slot
+indices only, so a decode batch of one-token rows replays in a CUDA graph.
 
-Not covered, refused loudly:
-  * multi-token decode rows (speculative verification). FlashInfer's `packed_fused_kda_decode` handles them but
-    needs per-token checkpoint slots (state_indices [N, 1+K]), num_accepted_tokens and a conv window of 1+K+2
-    columns per request — a pool layout this engine does not allocate yet.
-  * state slot 0: FlashInfer reserves it as a null slot (zero output, no state update). The engine keeps slot 0
-    as its own null slot (core/kv_cache_manager.NULL_STATE_SLOT), so only padding points there; a decode row in
-    slot 0 raises instead of silently returning zeros.
-  Newer FlashInfer builds also classify state_indices on the host (cached per tensor object) on sm100; there a
-  capture with a state_indices tensor not seen eagerly before raises inside FlashInfer.
+The null slot: FlashInfer reads a non-positive slot as "no state" (zero output, neither cache touched), and the
+engine's own null slot is 0 too (core/kv_cache_manager.NULL_STATE_SLOT), never handed to a request. So graph
+capture dummies and padding rows, which sit on slot 0, read and write nothing — exactly what they need.
+
+Not covered, refused loudly: multi-token decode rows (speculative verification). FlashInfer's
+`packed_fused_kda_decode` handles them, but keeps one rolling conv window of 1+K+2 columns per request in its
+first checkpoint slot, where the engine keeps a W-1 window in every checkpoint slot.
 
 Prefill: `flashinfer.kda.recurrent_kda`, the facade that routes ordinary packed multi-token prefill with the
 bounded gate to FlashInfer's FlashKDA port (other calls — the softplus gate, all-one-token groups — go to its
 generic CuTe-DSL recurrent kernel). Same contract as FlashKDA (kernel-side l2norm, gate and beta sigmoid), so it
-shares flashkda.run_varlen_prefill: our Triton conv, initial states gathered by slot, final states scattered back.
-recurrent_kda takes bf16 state only, so an fp32 pool is rounded to bf16 at each prompt chunk's boundary
-(decode steps keep fp32).
+shares flashkda.run_varlen_prefill: our Triton conv, initial states gathered by slot in the pool's dtype (its
+prefill backends take bf16 or fp32 states), final states scattered back.
 
-Facts from FlashInfer's kda_decode.py / kda.py docstrings, kda_kernels/fused_kda_decode.py (argument checks and
-kernel layouts) and docs.flashinfer.ai. Where it ran: only against fakes of those APIs on CPU
-(tests/attention/test_flashinfer_glue.py); no Blackwell GPU was available, so no real kernel has run this glue.
+Facts from FlashInfer 0.7.2.post1's kda_decode.py / kda.py docstrings and docs.flashinfer.ai. Where it ran: no
+Blackwell GPU was available, so no real kernel has run this glue; tests/attention/test_flashinfer_glue.py binds
+every call to the installed library's real signatures on CPU and checks it against reference math.
 """
 from __future__ import annotations
 
@@ -51,6 +49,7 @@ class FlashInferKDABackend(KDABackend):
     runs_prefill = runs_decode = True
     # One-token rows only (see the module docstring), addressed by device slot indices.
     decode_cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    conv_state_history_major = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
@@ -88,29 +87,21 @@ class FlashInferKDABackend(KDABackend):
         if rows.max_query_len > 1:
             raise NotImplementedError(
                 f"FlashInfer KDA decode runs one token per row; this step has rows of up to {rows.max_query_len} "
-                "tokens (speculative verification). packed_fused_kda_decode would need per-token checkpoint "
-                "slots the engine does not allocate; use --kda-decode-backend native or triton")
-        if bool((rows.state_indices_cpu == 0).any()):
-            raise ValueError(
-                "FlashInfer's fused_kda_decode reserves state slot 0 as a null slot (zero output, no update), "
-                "but a decode row holds slot 0; the engine must not hand out KDA state slot 0 to use it")
+                "tokens (speculative verification), whose checkpoint layout fused_kda_decode does not take; use "
+                "--kda-decode-backend native")
+        if conv_state.stride(1) != 1:
+            raise ValueError("fused_kda_decode reads conv states history-major (strides [slot, 1, 3P]); this pool "
+                             f"has strides {tuple(conv_state.stride())}. The engine allocates that layout when "
+                             "FlashInfer decodes (KDABackend.conv_state_history_major)")
         H, K = layer.num_heads, layer.head_dim
-        N, P = rows.num_reqs, H * K
-        width = layer.conv_weight.shape[-1]
-        if width != CONV_WIDTH:
-            raise ValueError(f"fused_kda_decode's conv is {CONV_WIDTH} wide, this layer's is {width}")
-        slots = rows.state_indices.long()
-        conv = _sd_layout(conv_state, slots)
+        N = rows.num_reqs
+        w = _decode_weights(layer)
         out = fused_kda_decode(
-            x=mixed_qkv[:N], weight=layer.conv_weight.float().view(3, P, width).transpose(1, 2).contiguous(),
-            conv_state=conv, raw_gate=raw_gate[:N].view(1, N, H, K), raw_beta=raw_beta[:N].view(1, N, H),
-            A_log=layer.A_log.float().contiguous(), dt_bias=layer.dt_bias.float().contiguous(),
-            state_indices=rows.state_indices, state=ssm_state, output_gate=output_gate[:N].view(N, H, K),
-            norm_weight=layer.o_norm.weight.float().contiguous(), lower_bound=layer.gate_lower_bound,
-            norm_eps=layer.o_norm.eps)
-        if conv is not conv_state:
-            conv_state[slots] = conv[slots]
-        return out.view(N, P)
+            x=mixed_qkv[:N], weight=w.conv, conv_state=conv_state, raw_gate=raw_gate[:N].view(1, N, H, K),
+            raw_beta=raw_beta[:N].view(1, N, H), A_log=w.A_log, dt_bias=w.dt_bias, state_indices=rows.state_indices,
+            state=ssm_state, output_gate=output_gate[:N].view(N, H, K), norm_weight=w.norm,
+            lower_bound=layer.gate_lower_bound, norm_eps=layer.o_norm.eps)
+        return out.view(N, H * K)
 
     @classmethod
     def forward_prefill(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
@@ -127,15 +118,26 @@ class FlashInferKDABackend(KDABackend):
                                  beta_is_logit=True)
 
         return run_varlen_prefill(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows,
-                                  kernel, state_dtype=torch.bfloat16)
+                                  kernel, state_dtype=ssm_state.dtype)
 
 
-def _sd_layout(conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """conv_state itself if it already has the kernel's [slot, 1, C] strides, else a buffer of that layout
-    holding the rows' slots (the caller copies them back). Only these slots are read or written by the kernel."""
-    if conv_state.stride(1) == 1:
-        return conv_state
-    num_slots, channels, history = conv_state.shape
-    staged = conv_state.new_empty(num_slots, history, channels).transpose(1, 2)
-    staged[slots] = conv_state[slots]
-    return staged
+class _DecodeWeights:
+    """A layer's weights in the dtypes and layouts fused_kda_decode takes, made once (outside any graph capture:
+    the first call is an eager warm-up) instead of converted on every step."""
+
+    def __init__(self, layer: KDAWeights) -> None:
+        width = layer.conv_weight.shape[-1]
+        if width != CONV_WIDTH:
+            raise ValueError(f"fused_kda_decode's conv is {CONV_WIDTH} wide, this layer's is {width}")
+        P = layer.num_heads * layer.head_dim
+        self.conv = layer.conv_weight.float().view(3, P, width).transpose(1, 2).contiguous()
+        self.A_log = layer.A_log.float().contiguous()
+        self.dt_bias = layer.dt_bias.float().contiguous()
+        self.norm = layer.o_norm.weight.float().contiguous()
+
+
+def _decode_weights(layer: KDAWeights) -> _DecodeWeights:
+    weights = getattr(layer, "_flashinfer_decode_weights", None)
+    if weights is None:
+        weights = layer._flashinfer_decode_weights = _DecodeWeights(layer)
+    return weights

@@ -82,6 +82,9 @@ class KDABackend(AttentionBackend):
     # Whether its decode path takes row lengths from the device offsets only (never the host copies), so
     # the device may trim rows after the host metadata was built.
     decode_reads_device_offsets: ClassVar[bool] = False
+    # Whether its decode kernel needs conv-state pools stored history-major (strides [slot, 1, 3P]); every
+    # backend reads either layout through strides, so the decode backend picks the pool's layout.
+    conv_state_history_major: ClassVar[bool] = False
 
     @classmethod
     def builder(cls, block_size: int) -> AttentionMetadataBuilder:
@@ -179,6 +182,7 @@ class KDAAttention:
         assert prefill.runs_prefill and decode.runs_decode, (prefill.name, decode.name)
         self.prefill, self.decode = prefill, decode
         self.name = prefill.name if prefill is decode else f"{prefill.name}+{decode.name}"
+        self.conv_state_history_major = decode.conv_state_history_major
 
     def builder(self, block_size: int) -> KDAMetadataBuilder:
         return KDAMetadataBuilder(self.decode)

@@ -1,25 +1,29 @@
-"""FlashInfer MLA over the engine's paged latent cache [blocks, block_size, kv_lora_rank + rope].
+"""FLASHINFER_MLA: FlashInfer's MLA kernels over the engine's paged latent cache [blocks, block_size, L+R],
+on Blackwell (sm100/sm103) only.
 
 Every row runs absorbed MQA in the latent space: q_nope is absorbed through W_UK (kv_b_proj's K half) and
 concatenated with q_rope; the latent output [T, H, kv_lora_rank] goes back through W_UV. Two FlashInfer paths:
 
-  * sm100/sm103, steps whose rows are all decodes (1..1+K tokens, ragged): `flashinfer.mla.
-    trtllm_batch_decode_with_kv_cache_mla` (trtllm-gen) with query [total_q, H, L+R], kv_cache as is (3-D),
-    block_tables = the block table, seq_lens = KV lengths after this step, cum_seq_lens_q = the device
-    query_start_loc, max_q_len = common.max_query_len (a promised bound), bmm1_scale = the softmax scale.
-    Nothing is read on the host, so any decode batch can replay in a CUDA graph; causal masking within a
-    request's rows is the kernel's (bottom-right aligned, as vLLM's speculative path relies on). No
-    token->request map is needed: the kernel takes the offsets.
-  * sm90, and steps with a prompt chunk on sm100/sm103: `flashinfer.mla.BatchMLAPagedAttentionWrapper`
-    (JIT-compiled with nvcc on first plan), planned once per step with causal=True over all rows: qo_indptr =
-    query_start_loc, kv_indptr/kv_indices = the block table's rows at their uniform stride (entries past a
-    request's KV length are never read), kv_len_arr = seq_lens. plan() copies the offsets to the host, so these
-    steps are not graph-capturable. Prompt chunks therefore also run absorbed: exact, but more FLOPs than the
-    expanded form for long prompts (FlashInfer's ragged prefill for the expanded form is not wired here).
+  * steps whose rows are all decodes (1..1+K tokens, ragged, as the seed's adaptive verification makes them):
+    `flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla` with backend="trtllm-gen" (the kernel that takes
+    ragged rows without an LSE), query [total_q, H, L+R], kv_cache as is (3-D), block_tables = the block
+    table, seq_lens = KV lengths after this step, cum_seq_lens_q = the device query_start_loc (rows map to
+    requests on the device; nothing is read on the host), max_q_len = common.max_query_len (the runner's
+    promised bound, never re-measured), bmm1_scale = the softmax scale. Any decode batch, padding rows of
+    zero length included, can therefore replay in a CUDA graph; causal masking within a request's rows is
+    the kernel's (bottom-right aligned, as speculative verification needs).
+  * steps with a prompt chunk: `flashinfer.mla.BatchMLAPagedAttentionWrapper`, planned once per step with
+    causal=True over all rows (qo_indptr = query_start_loc, kv_indptr/kv_indices = the block table's rows at
+    their uniform stride, kv_len_arr = seq_lens). plan() copies the offsets to the host, so these steps are
+    never captured (they never are: batches with a prompt chunk run eagerly for KDA models).
 
-New latent rows are written with plain torch indexing before attention. Facts from FlashInfer's mla.py
-docstrings and docs.flashinfer.ai. Where it ran: only against fakes of those APIs on CPU
-(tests/attention/test_flashinfer_glue.py); no GPU run has used it.
+New latent rows are written by TRITON_MLA's masked kernel: padding tokens (slot -1, every token of a graph
+capture) write nothing. On sm90 this backend refuses: FlashInfer's Hopper MLA path (the JIT-compiled wrapper)
+has never run in this engine, so `auto` takes TRITON_MLA there.
+
+Facts from FlashInfer 0.7.2.post1's mla docstrings and docs.flashinfer.ai. Where it ran: no Blackwell GPU was
+available, so no real kernel has run this glue; tests/attention/test_flashinfer_glue.py binds every call to the
+installed library's real signatures on CPU and checks it against reference math.
 """
 from __future__ import annotations
 
@@ -34,9 +38,7 @@ from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, Attent
                                     CommonAttentionMetadata, LayerShapes, QueryLenSupport)
 
 BLACKWELL = ((10, 0), (10, 3))
-HOPPER = (9, 0)
 TRTLLM_PAGE_SIZES = (32, 64)
-WRAPPER_CKV_DIMS = (128, 256, 512)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
@@ -69,24 +71,23 @@ class FlashInferMLAMetadata:
 class FlashInferMLAMetadataBuilder(AttentionMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
 
-    def __init__(self, block_size: int, capability: tuple[int, int] | None = None) -> None:
+    # Decode steps of any row lengths read only device tensors. Steps with a prompt chunk plan on the host, but
+    # the runner never captures those for KDA models (ModelRunner._cudagraph_mode).
+    cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.capability = tuple(capability or torch.cuda.get_device_capability())
-        self.trtllm = self.capability in BLACKWELL
-        # Graphs hold decode steps only (as for KDA). On Blackwell those read only device tensors, whatever their
-        # row lengths; the wrapper plans on the host every step.
-        self.cudagraph_support = AttentionCGSupport.ALWAYS if self.trtllm else AttentionCGSupport.NEVER
         self._workspace: torch.Tensor | None = None
         self._wrapper: Any = None
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return True  # both paths take the device offsets (the wrapper's plan copies them to the host itself)
+        return True  # decode steps take the device offsets; steps with a prompt chunk are never trimmed
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMLAMetadata:
         n = common.num_reqs
         device = common.block_table.device
-        decode_only = self.trtllm and not bool(common.is_prefilling[:n].any())
+        decode_only = not bool(common.is_prefilling[:n].any())
         meta = FlashInferMLAMetadata(
             num_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping[:common.num_actual_tokens],
             query_start_loc=common.query_start_loc[:n + 1], seq_lens=common.seq_lens[:n],
@@ -118,30 +119,27 @@ class FlashInferMLABackend(AttentionBackend):
             if not hasattr(mla, fn):
                 return f"this flashinfer has no flashinfer.mla.{fn}"
         if device.type != "cuda":
-            return f"needs a CUDA device (sm90 or sm100/sm103), got {device}"
+            return f"needs a CUDA device (sm100/sm103), got {device}"
+        try:
+            importlib.import_module("vllm.attention.mla.triton_mla_kernels")
+        except ImportError as e:
+            return f"writes the latent cache with Triton, which is not importable ({e})"
         cap = tuple(torch.cuda.get_device_capability(device))
-        blackwell = cap in BLACKWELL
-        if not blackwell and cap != HOPPER:
-            return (f"runs on sm100/sm103 (trtllm-gen decode) or sm90 (BatchMLAPagedAttentionWrapper), "
-                    f"this device is sm{cap[0]}{cap[1]}")
-        if blackwell and "cum_seq_lens_q" not in inspect.signature(
-                mla.trtllm_batch_decode_with_kv_cache_mla).parameters:
+        if cap not in BLACKWELL:
+            return (f"its trtllm-gen ragged decode needs sm100/sm103 (Blackwell), this device is sm{cap[0]}{cap[1]}; "
+                    "FlashInfer's other MLA paths have not run in this engine (use TRITON_MLA)")
+        if "cum_seq_lens_q" not in inspect.signature(mla.trtllm_batch_decode_with_kv_cache_mla).parameters:
             return ("ragged decode needs a trtllm_batch_decode_with_kv_cache_mla that takes cum_seq_lens_q "
                     "(a newer flashinfer-python)")
         if dtype != torch.bfloat16:
             return f"takes bf16 queries and cache only, the model runs in {dtype}"
         if shapes is None:
             return None
-        if blackwell:
-            if (shapes.kv_lora_rank, shapes.qk_rope_head_dim) != (512, 64):
-                return (f"trtllm-gen MLA needs kv_lora_rank 512 and qk_rope_head_dim 64, the model has "
-                        f"{shapes.kv_lora_rank} and {shapes.qk_rope_head_dim}")
-            if shapes.block_size not in TRTLLM_PAGE_SIZES:
-                return f"trtllm-gen MLA needs block size 32 or 64, the cache uses {shapes.block_size}"
-            return None
-        if shapes.kv_lora_rank not in WRAPPER_CKV_DIMS or shapes.qk_rope_head_dim % 64:
-            return (f"FlashInfer's MLA wrapper needs kv_lora_rank in {WRAPPER_CKV_DIMS} and qk_rope_head_dim a "
-                    f"multiple of 64, the model has {shapes.kv_lora_rank} and {shapes.qk_rope_head_dim}")
+        if (shapes.kv_lora_rank, shapes.qk_rope_head_dim) != (512, 64):
+            return (f"trtllm-gen MLA needs kv_lora_rank 512 and qk_rope_head_dim 64, the model has "
+                    f"{shapes.kv_lora_rank} and {shapes.qk_rope_head_dim}")
+        if shapes.block_size not in TRTLLM_PAGE_SIZES:
+            return f"trtllm-gen MLA needs block size 32 or 64, the cache uses {shapes.block_size}"
         return None
 
     @classmethod
@@ -152,7 +150,8 @@ class FlashInferMLABackend(AttentionBackend):
     def forward(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, kv_b_weight: torch.Tensor,
                 qk_nope_head_dim: int, v_head_dim: int, scale: float, meta: FlashInferMLAMetadata) -> torch.Tensor:
         """q [T, H, nope+rope]; latent [T, L+R]; kv_cache [blocks, bs, L+R]. Returns o [T, H, v_head_dim]."""
-        _write_latent(kv_cache, latent, meta.slot_mapping)
+        from vllm.attention.mla.triton_mla_kernels import write_latent
+        write_latent(latent, kv_cache, meta.slot_mapping)
         T, H, L = meta.num_tokens, q.shape[1], kv_b_weight.shape[1]
         R = kv_cache.shape[-1] - L
         w = kv_b_weight.view(H, qk_nope_head_dim + v_head_dim, L)
@@ -164,7 +163,7 @@ class FlashInferMLABackend(AttentionBackend):
                 query=torch.cat([q_nope, q_rope], dim=-1), kv_cache=kv_cache, workspace_buffer=meta.workspace,
                 qk_nope_head_dim=qk_nope_head_dim, kv_lora_rank=L, qk_rope_head_dim=R,
                 block_tables=meta.block_table, seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len,
-                bmm1_scale=scale, bmm2_scale=1.0, cum_seq_lens_q=meta.query_start_loc,
+                bmm1_scale=scale, bmm2_scale=1.0, backend="trtllm-gen", cum_seq_lens_q=meta.query_start_loc,
                 max_q_len=meta.max_query_len)
         else:
             meta.plan_wrapper(H, L, R, scale, q.dtype)
@@ -174,12 +173,3 @@ class FlashInferMLABackend(AttentionBackend):
         o[:T] = torch.bmm(o_latent.transpose(0, 1), w[:, qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
         return o
 
-
-def _write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    rows = kv_cache.view(-1, kv_cache.shape[-1])
-    # Padding tokens (slot -1) rewrite the first token's row with the first token's value, so the write needs
-    # no mask compaction (no host sync inside a graph) and duplicate writes all carry the same bytes.
-    valid = slot_mapping >= 0
-    idx = torch.where(valid, slot_mapping, slot_mapping[:1])
-    src = torch.where(valid[:, None], latent[:slot_mapping.shape[0]], latent[:1])
-    rows.index_copy_(0, idx, src.to(rows.dtype))

@@ -32,14 +32,21 @@ class KimiLayerCache:
 
 
 def allocate_layer_caches(config: KimiK3TextConfig, num_blocks: int, block_size: int, num_slots: int,
-                          dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device | str
-                          ) -> list[KimiLayerCache]:
-    """Zeroed cache pools for every layer: MLA latent blocks and KDA conv/recurrent state slots."""
+                          dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device | str,
+                          conv_history_major: bool = False) -> list[KimiLayerCache]:
+    """Zeroed cache pools for every layer: MLA latent blocks and KDA conv/recurrent state slots.
+
+    Conv states are [slots, 3P, W-1] views either way; `conv_history_major` stores each slot's W-1 columns of
+    3P channels contiguously (strides [slot, 1, 3P]), the layout FlashInfer's fused KDA decode reads.
+    """
     caches = []
     for i in range(config.num_hidden_layers):
         if config.is_kda_layer(i):
+            channels, history = config.kda_conv_state_shape()
+            conv = (torch.zeros(num_slots, history, channels, dtype=dtype, device=device).transpose(1, 2)
+                    if conv_history_major else torch.zeros(num_slots, channels, history, dtype=dtype, device=device))
             caches.append(KimiLayerCache(
-                conv_state=torch.zeros(num_slots, *config.kda_conv_state_shape(), dtype=dtype, device=device),
+                conv_state=conv,
                 ssm_state=torch.zeros(num_slots, *config.kda_ssm_state_shape(), dtype=state_dtype, device=device)))
         else:
             caches.append(KimiLayerCache(kv_cache=torch.zeros(num_blocks, block_size, config.mla_cache_dim,
