@@ -1,6 +1,8 @@
 """Backend selection: `auto` picks the first backend that runs, explicit choices that cannot run fail loudly."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,46 @@ def test_a_missing_optional_package_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(selector, "load_backend", fail)
     reason = selector.backend_reason("--attention-backend", "FLASHINFER_MLA", torch.device("cpu"), torch.float32, None)
     assert "flashinfer" in reason and "not installed" in reason
+
+
+
+HOPPER, BLACKWELL = (9, 0), (10, 0)
+
+
+@pytest.fixture
+def gpu_at(monkeypatch):
+    """A CUDA device of a chosen compute capability with every optional kernel package importable (flashinfer and
+    fla-core are test dependencies; flash_kda a stub with its real signature): what `auto` sees on a full install."""
+    for lib in ("flashinfer", "fla", "triton"):
+        pytest.importorskip(lib)
+    import flashinfer_stubs
+    flashinfer_stubs.install(monkeypatch, ("flash_kda",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+
+    def at(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        return torch.device("cuda")
+    return at
+
+
+@pytest.mark.parametrize("capability,shapes,want", [
+    (HOPPER, K3_SHAPES, ("TRITON_MLA", "flashkda", "native")),
+    (HOPPER, dataclasses.replace(K3_SHAPES, kda_gate_bounded=False), ("TRITON_MLA", "triton", "native")),
+    (BLACKWELL, K3_SHAPES, ("FLASHINFER_MLA", "flashinfer", "flashinfer")),
+    # FlashInfer's decode writes no checkpoint columns, which speculative decoding needs.
+    (BLACKWELL, dataclasses.replace(K3_SHAPES, num_speculative_tokens=3), ("FLASHINFER_MLA", "flashinfer", "native")),
+], ids=["sm90", "sm90_softplus_gate", "sm100", "sm100_speculative"])
+def test_auto_picks_only_what_runs_on_the_architecture(gpu_at, capability, shapes, want):
+    """On sm90, FlashInfer installed or not: TRITON_MLA, native decode, FlashKDA prefill where its constraints hold
+    (else fla's triton); FlashInfer first only on sm100/sm103."""
+    b = select_backends(KernelConfig(), gpu_at(capability), torch.bfloat16, shapes)
+    assert (b.mla.name, b.kda.prefill.name, b.kda.decode.name) == want
+
+
+def test_flashinfer_mla_chosen_on_hopper_fails_at_start_up(gpu_at):
+    with pytest.raises(ValueError) as e:
+        select_backends(KernelConfig(attention_backend="FLASHINFER_MLA"), gpu_at(HOPPER), torch.bfloat16, K3_SHAPES)
+    msg = str(e.value)
+    assert msg.startswith("--attention-backend=FLASHINFER_MLA cannot run on cuda (Test GPU, sm90): ")
+    assert "sm100/sm103" in msg and "TRITON_MLA" in msg

@@ -1,9 +1,10 @@
 """Shared by the worker tests: the graph-capable kernels (native KDA decode, TRITON_MLA) on a CPU, in Triton's
-interpreter, with a stand-in for CUDA graph capture."""
+interpreter, with a stand-in for CUDA graph capture that refuses host syncs (tests/graph_standin.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from graph_standin import ReplayByRerun
 
 from vllm.attention.kda.native import NativeKDABackend
 from vllm.attention.mla.triton_mla import TritonMLABackend
@@ -12,20 +13,6 @@ from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
 from vllm.worker import model_runner
 
 GRAPH_BACKENDS = dict(attention_backend="TRITON_MLA", kda_prefill_backend="torch", kda_decode_backend="native")
-
-
-class ReplayByRerun:
-    """CUDAGraphRunner's interface; `replay` reruns what `capture` was given."""
-
-    def __init__(self, device) -> None:
-        self.fns = {}
-
-    def capture(self, desc, fn, warmup: int = 1) -> None:
-        fn()
-        self.fns[desc] = fn
-
-    def replay(self, desc):
-        return self.fns[desc]()
 
 
 @pytest.fixture

@@ -69,3 +69,45 @@ def test_a_failed_capture_names_the_backends_and_the_way_out(graph_backends, mod
         LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4]},
             **graph_backends)
+
+
+@pytest.mark.parametrize("K", [0, 2])
+def test_a_short_prompt_on_a_recycled_slot_runs_eagerly(graph_backends, model_dir, K):
+    """A prompt chunk of 1..1+K tokens beside decode rows fits a decode graph's shape. Replayed there, the decode
+    kernel would start from whatever its recycled state slot still holds instead of from zeros; the runner must
+    run such a step eagerly, and the request's text must equal an eager run's."""
+    gen = torch.Generator().manual_seed(10 + K)
+    prompts = {rid: torch.randint(5, 250, (n,), generator=gen).tolist() for rid, n in (("a", 9), ("c", 7), ("d", 11))}
+    prompts["b"] = torch.randint(5, 250, (1 + K,), generator=gen).tolist()
+    lengths = {"a": 2, "b": 4, "c": 10, "d": 10}
+    spec = {"method": "ngram", "num_speculative_tokens": K} if K else None
+
+    def run(**kwargs):
+        llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+                  max_num_batched_tokens=32, max_num_seqs=4, speculative_config=spec, **graph_backends, **kwargs)
+        engine, kv = llm.llm_engine, llm.llm_engine.kv_cache_manager
+        tokens, slots = {}, {}
+
+        def step():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+            slots.update({rid: set(s) for rid, s in kv.req_slots.items()})
+
+        for rid in ("a", "c", "d"):
+            engine.add_request(rid, {"prompt_token_ids": prompts[rid]},
+                               SamplingParams(temperature=0.0, max_tokens=lengths[rid], ignore_eos=True))
+        while "a" in kv.req_slots or "a" not in slots:
+            step()
+        engine.add_request("b", {"prompt_token_ids": prompts["b"]},
+                           SamplingParams(temperature=0.0, max_tokens=lengths["b"], ignore_eos=True))
+        step()
+        assert slots["b"] == slots["a"], "b's prompt runs on the state slots a just gave back"
+        while engine.has_unfinished_requests():
+            step()
+        kv.assert_all_free()
+        return llm, tokens
+
+    _, eager = run(enforce_eager=True)
+    llm, graphed = run(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 12]})
+    assert llm.llm_engine.runner.graphs is not None
+    assert graphed == eager

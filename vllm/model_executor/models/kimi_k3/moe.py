@@ -18,6 +18,11 @@ def gated_activation(config: KimiK3TextConfig):
     return silu_and_mul
 
 
+def capturing_graph(x: torch.Tensor) -> bool:
+    """Whether x's stream is being captured into a CUDA graph, where group sizes cannot reach the host."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class KimiMLP(nn.Module):
     def __init__(self, config: KimiK3TextConfig, in_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -93,7 +98,7 @@ class KimiMoE(nn.Module):
         weights, ids = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
-        if u.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing_graph(u):
             y = self._routed_every_expert(u, weights, ids)
         else:
             y = self._routed_by_expert(u, weights, ids)
