@@ -46,7 +46,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -64,3 +64,55 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Set when a completion finished with "error": a step failed because of this request (the others ran on).
+    error: str | None = None
+
+
+class OutputJoiner:
+    """Joins a request's DELTA outputs into one RequestOutput, in time and memory linear in their total size:
+    texts are kept as pieces until `pop` (concatenating onto a growing string at every step would copy it each
+    time), token ids and logprobs are extended in place."""
+
+    def __init__(self) -> None:
+        self.head: RequestOutput | None = None
+        self.texts: dict[int, list[str]] = {}
+
+    def __bool__(self) -> bool:
+        return self.head is not None
+
+    def add(self, out: RequestOutput) -> None:
+        if self.head is None:
+            self.head = out
+            for c in out.outputs:
+                c.token_ids = list(c.token_ids)
+                c.logprobs = None if c.logprobs is None else list(c.logprobs)
+                self.texts[c.index] = [c.text]
+            return
+        mine = {c.index: c for c in self.head.outputs}
+        for c in out.outputs:
+            m = mine.get(c.index)
+            if m is None:
+                self.head.outputs.append(c)
+                self.texts[c.index] = [c.text]
+                continue
+            self.texts[c.index].append(c.text)
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                if m.logprobs is None:
+                    m.logprobs = list(c.logprobs)
+                else:
+                    m.logprobs.extend(c.logprobs)
+            m.cumulative_logprob, m.finish_reason, m.stop_reason = c.cumulative_logprob, c.finish_reason, \
+                c.stop_reason
+        head = self.head
+        if head.prompt_logprobs is None:
+            head.prompt_logprobs = out.prompt_logprobs
+        head.finished, head.metrics, head.error = out.finished, out.metrics, out.error
+
+    def pop(self) -> RequestOutput:
+        """The joined output; the joiner is empty again."""
+        head, texts = self.head, self.texts
+        for c in head.outputs:
+            c.text = "".join(texts[c.index])
+        self.head, self.texts = None, {}
+        return head

@@ -1,10 +1,23 @@
 """SamplingParams: how one request samples and when it stops (upstream names and defaults)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
 MAX_LOGPROBS = 20  # upstream's default --max-logprobs
+# torch.Generator.manual_seed takes 64 bits, signed or unsigned.
+SEED_RANGE = (-(1 << 63), 1 << 64)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_REQUIRED_INT_FIELDS = ("n", "top_k", "min_tokens")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (upstream's names)."""
+    CUMULATIVE = 0  # everything so far, every time
+    DELTA = 1  # only what is new since the previous output: memory per output stays small
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass(slots=True)
@@ -28,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -57,30 +71,42 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        # Types first, so a wrong-typed value is named instead of failing a comparison below.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if (value is not None or name in _REQUIRED_INT_FIELDS) and (isinstance(value, bool)
+                                                                       or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1"),
+            (self.n >= 1, "n", self.n, "an integer >= 1"),
             (0.0 <= self.temperature < float("inf"), "temperature", self.temperature, "a finite number >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", self.top_k,
-             "an integer >= 0 (0 or -1 disables it)"),
+            (self.top_k >= -1, "top_k", self.top_k, "an integer >= 0 (0 or -1 disables it; values above the "
+             "vocabulary size keep the whole vocabulary)"),
             (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "in (0, 10]"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "max_tokens", self.max_tokens, "an integer >= 1 (or None)"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+             "an integer >= 1 (or None)"),
+            (self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
              f"<= max_tokens={self.max_tokens}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              "logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
-            (self.prompt_logprobs is None
-             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              "prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
-            (self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer (or None)"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
+             "an integer in [-2**63, 2**64) (or None)"),
         ]
         for ok, name, value, expected in checks:
             if not ok:

@@ -1,26 +1,16 @@
 """benchmarks/bench_serve.py against a stub OpenAI-style streaming server started in the test (no real engine)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import benchmark_scripts
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", REPO / "benchmarks" / "bench_serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench_serve = load_bench()
+bench_serve = benchmark_scripts.load("bench_serve")
 
 
 class Stub(ThreadingHTTPServer):

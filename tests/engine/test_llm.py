@@ -3,6 +3,8 @@ batching, chunked prefill, preemption and late arrivals, bad input, seeded sampl
 state slot is free again after each test."""
 from __future__ import annotations
 
+import dataclasses
+import re
 import shutil
 
 import pytest
@@ -243,3 +245,67 @@ def test_bf16_recurrent_state(make_llm):
     assert diff.max() > 0  # the state really was rounded
     assert diff.median() < 0.01 and diff.quantile(0.9) < 0.05
     assert ((bf16 - fp32).norm() / fp32.norm()) < 0.02
+
+
+# ---- bad input is named before it reaches a step ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(temperature="0.5"), "temperature must be a number, got '0.5' (str)"),
+    (dict(seed=2**64), "seed must be an integer in [-2**63, 2**64)"),
+    (dict(max_tokens=3.0), "max_tokens must be an integer"),
+    (dict(n=None), "n must be an integer"),
+    (dict(ignore_eos="yes"), "ignore_eos must be true or false"),
+])
+def test_wrong_typed_sampling_params_name_the_field(kwargs, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        SamplingParams(**kwargs)
+
+
+def test_bad_values_against_the_model_are_refused_before_a_step(make_llm):
+    llm = make_llm(model=str(DEFAULT_MODEL_DIR))
+    good = prompts([7])
+    with pytest.raises(ValueError, match=re.escape("stop_token_ids hold ids outside the vocabulary [0, 512): [600]")):
+        llm.generate(good, SamplingParams(stop_token_ids=[600], min_tokens=2, max_tokens=4))
+    with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams.*SamplingParams\(\*\*your_dict\)"):
+        llm.generate(good, {"temperature": 0.0})
+    # Upstream clamps top_k to the vocabulary: a huge one keeps every token, the caller's object is unchanged.
+    huge = SamplingParams(temperature=1.0, top_k=2**63, seed=3, max_tokens=4)
+    whole = SamplingParams(temperature=1.0, top_k=0, seed=3, max_tokens=4)
+    assert token_ids(llm.generate(good, huge, use_tqdm=False)) == token_ids(llm.generate(good, whole, use_tqdm=False))
+    assert huge.top_k == 2**63
+
+
+def test_max_model_len_zero_is_refused():
+    with pytest.raises(ValueError, match="--max-model-len must be an integer >= 1"):
+        LLM(model=str(DEFAULT_MODEL_DIR), max_model_len=0)
+
+
+def test_min_tokens_defers_stop_strings(make_llm):
+    llm = make_llm(model=str(DEFAULT_MODEL_DIR))
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(prompts([6], seed=3), plain, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # A stop string the greedy text reaches within its first four tokens.
+    stop = next(t for t in (tok.decode(first.token_ids[:i + 1]) for i in range(1, 5)) if t.strip()
+                and "\ufffd" not in t)
+    early = llm.generate(prompts([6], seed=3), dataclasses.replace(plain, stop=[stop]), use_tqdm=False)[0]
+    assert early.outputs[0].finish_reason == "stop" and len(early.outputs[0].token_ids) <= 5
+    late = llm.generate(prompts([6], seed=3), dataclasses.replace(plain, stop=[stop], min_tokens=8),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= 8 and late.token_ids[:8] == first.token_ids[:8]
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_start(tmp_path):
+    from vllm.tools.make_tiny_model import write_tiny_model
+    model = write_tiny_model(tmp_path / "m", "kimi_linear", vocab_size=256)
+    with pytest.raises(ValueError, match="has 512 tokens but the model's vocab_size is 256"):
+        LLM(model=model, tokenizer=str(DEFAULT_MODEL_DIR))
+
+
+def test_a_corrupt_tokenizer_names_its_files(tmp_path):
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / f, tmp_path / f)
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 7')
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+    with pytest.raises(ValueError, match=f"the tokenizer in {re.escape(str(tmp_path))} \\(tokenizer.json"):
+        get_tokenizer(tmp_path)

@@ -274,3 +274,42 @@ def test_malformed_index_json(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with raises(CheckpointError, "model.safetensors.index.json", "weight_map"):
         load_model(tmp_path)
+
+
+# ---- hostile or broken files -----------------------------------------------------------------------------------
+
+def test_index_cannot_reach_outside_the_model_directory(tmp_path):
+    model = write(tmp_path / "model", shards=2)
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes((model / next(p.name for p in model.glob("*.safetensors"))).read_bytes())
+    index = model / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"] = {k: "../secret.safetensors" for k in data["weight_map"]}
+    index.write_text(json.dumps(data))
+    with raises(CheckpointError, "'../secret.safetensors'", "inside"):
+        load_model(model)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_broken_safetensors_name_the_file(tmp_path, damage):
+    write(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "garbage": b"\x00not a checkpoint" * 9}
+                     [damage])
+    with raises(CheckpointError, str(path), "not a readable safetensors file"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("hidden_size", -64, "hidden_size must be a positive integer, got -64"),
+    ("hidden_size", "64", "hidden_size must be a positive integer, got '64'"),
+    ("rms_norm_eps", "tiny", "rms_norm_eps must be a positive number, got 'tiny'"),
+    ("num_experts", 0, "num_experts must be a positive integer"),
+    ("tie_word_embeddings", "no", "tie_word_embeddings must be true or false"),
+    ("eos_token_id", "2", "eos_token_id must be a token id"),
+])
+def test_wrong_typed_config_fields_name_the_file_and_field(tmp_path, field, value, fragment):
+    write(tmp_path, config=tiny_text_config("kimi_linear", **{field: value}))
+    with raises(CheckpointError, str(tmp_path / "config.json"), fragment):
+        load_config(tmp_path)

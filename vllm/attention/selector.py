@@ -4,8 +4,8 @@
 choice that cannot run fails at start-up naming the backend, what it needs and what is here — never a silent
 fallback. A backend's `supports()` accepts only the architectures it is meant for and has run on, so on sm90
 `auto` takes TRITON_MLA, native decode and FlashKDA (else fla) prefill even with flashinfer installed, and
-FlashInfer comes first only on sm100/sm103 (docs/backends.md). Backend modules are imported only when asked about, so optional kernel packages (triton, fla-core,
-flashinfer, flash_kda) stay optional.
+FlashInfer comes first only on sm100/sm103 (docs/backends.md). Backend modules are imported only when asked
+about, so optional kernel packages (triton, fla-core, flashinfer, flash_kda) stay optional.
 """
 from __future__ import annotations
 

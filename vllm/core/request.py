@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step failed because of this request alone; the others ran on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass(slots=True)
@@ -51,6 +52,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 1
     spec_stats: SpecDecodeStats | None = None
+    # Fault containment: a request that was in a failed step is a suspect, run alone until it samples in a step
+    # that succeeds (then the failure was someone else's); `num_failed_steps` bounds how often it may be retried.
+    suspect: bool = False
+    num_failed_steps: int = 0
     # all_token_ids()'s buffer and how many of its leading entries are current.
     _token_buf: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _token_buf_len: int = field(default=0, init=False, repr=False, compare=False)

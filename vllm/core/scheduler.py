@@ -66,6 +66,9 @@ class Scheduler:
         return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        suspect = next((r for r in (*self.running, *self.waiting) if r.suspect), None)
+        if suspect is not None:
+            return self._schedule_alone(suspect)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int]]] = []
@@ -103,6 +106,30 @@ class Scheduler:
                          for req, n, drafts in scheduled]
         return out
 
+    def _schedule_alone(self, req: Request) -> SchedulerOutput:
+        """A step with one suspect request (one that was in a failed step) and nothing else, so that if the step
+        fails again the request that makes it fail is known. Other requests wait; they keep their cache."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        drafts = self._drafts(req, n, budget) if req.status is RequestStatus.RUNNING else []
+        while not self.kv.allocate_slots(req, n + len(drafts)):
+            victims = [r for r in self.running if r is not req]
+            if not victims:
+                return out  # the request alone does not fit the cache: nothing can run it
+            self.running.remove(victims[-1])
+            self._preempt(victims[-1])
+            out.preempted_ids.append(victims[-1].request_id)
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.num_prefill_tokens = req.num_tokens
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
+            self.running.insert(0, req)
+        out.scheduled = [ScheduledRequest(req, n + len(drafts), req.is_prefilling and not drafts,
+                                          req.num_computed_tokens + n == req.num_tokens, drafts)]
+        return out
+
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a running request verifies this step, given n known tokens scheduled and the budget."""
         room = min(budget - n, self.num_spec)  # never more drafts than the request has checkpoint columns
@@ -116,10 +143,15 @@ class Scheduler:
         return []
 
     def _preempt(self, req: Request) -> None:
+        req.num_preemptions += 1
+        self.requeue(req)
+
+    def requeue(self, req: Request) -> None:
+        """Back to the front of the queue to be recomputed from its tokens, its cache freed (the caller has taken
+        it out of `running`)."""
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         req.spec_token_ids = []
         req.num_accepted_tokens = 1
         self.waiting.appendleft(req)

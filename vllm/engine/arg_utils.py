@@ -12,8 +12,7 @@ from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
                          CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                          VllmConfig)
-from vllm.model_executor.model_loader import read_config_json, resolve_dtype
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.model_executor.model_loader import load_config, read_config_json, resolve_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, as upstream's CPU backend
@@ -84,11 +83,15 @@ class EngineArgs:
 
     def create_engine_config(self) -> VllmConfig:
         raw = read_config_json(self.model)
-        hf_config = KimiK3TextConfig.from_dict(raw)
+        hf_config = load_config(self.model, raw)
         device = self._device()
         if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
             raise ValueError(f"--mamba-ssm-cache-dtype={self.mamba_ssm_cache_dtype!r} is invalid: expected one of "
                              f"{', '.join(sorted(STATE_DTYPES))}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"--max-model-len must be an integer >= 1 (or unset for the model's "
+                             f"{hf_config.max_position_embeddings}), got {self.max_model_len!r}")
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer or self.model,
                                    dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,

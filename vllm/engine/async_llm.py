@@ -1,9 +1,13 @@
-"""AsyncLLM: the server's engine. One background task steps the engine; each request has its own queue.
+"""AsyncLLM: the server's engine. One background task steps the engine; each request has its own collector.
 
 All engine mutations (add, abort, step) happen in the loop task, one at a time: requests and aborts are
 queued by callers and applied between steps, so the engine needs no locks. A step runs in a worker thread
 so the event loop keeps serving HTTP while the model computes. A consumer that stops iterating (a client
 disconnect, a cancelled task) aborts its request at once, freeing its blocks and state slot.
+
+A request's outputs wait in its `OutputCollector`, which holds at most one: an output the consumer has not
+read yet is merged with the next (DELTA outputs concatenate, CUMULATIVE ones are replaced). So a client that
+stops reading costs at most its own output's size, never a queue of copies that grows every step.
 """
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ from dataclasses import dataclass
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine, PromptType
-from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.outputs import OutputJoiner, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -36,12 +40,42 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # engine-wide speculative-decoding counters
 
 
+class RequestFailed(RuntimeError):
+    """A step failed because of this request; the engine freed it and ran the others on."""
+
+
+class OutputCollector:
+    """One request's unread output (or the exception that ends it): DELTA outputs are joined as they arrive, a
+    CUMULATIVE one replaces the unread one (it holds all that one did)."""
+
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.delta = kind is RequestOutputKind.DELTA
+        self.joined = OutputJoiner()
+        self.item: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if self.delta and isinstance(item, RequestOutput):
+            self.joined.add(item)
+        else:
+            self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.item is not None:  # an exception ends the request, whatever was unread
+            item, self.item = self.item, None
+            return item
+        return self.joined.pop()
+
+
 @dataclass(slots=True)
 class _Pending:
     request_id: str
     prompt: PromptType
     params: SamplingParams
-    queue: asyncio.Queue  # RequestOutput | Exception
+    collector: OutputCollector
 
 
 class AsyncLLM:
@@ -49,14 +83,13 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.collectors: dict[str, OutputCollector] = {}
         self._pending: list[_Pending] = []
         self._aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -70,32 +103,47 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last one has finished=True.
+        """Outputs of one request, of its sampling_params.output_kind; the last one has finished=True.
 
-        Bad input raises (ValueError) on the first iteration, before any output.
+        Bad input raises (ValueError) on the first iteration, before any output; a step that fails because of
+        this request raises RequestFailed.
         """
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
         self.start()
-        if request_id in self.queues:
+        if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        self._pending.append(_Pending(request_id, prompt, sampling_params, queue))
+        collector = OutputCollector(getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE))
+        self.collectors[request_id] = collector
+        try:
+            prompt = await self._tokenized(prompt)
+        except BaseException:
+            self.collectors.pop(request_id, None)
+            raise
+        self._pending.append(_Pending(request_id, prompt, sampling_params, collector))
         self._wakeup.set()
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                item = await collector.get()
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            self.queues.pop(request_id, None)
+            self.collectors.pop(request_id, None)
             if not finished:  # the consumer went away: free the request's cache now
                 self._aborts.append(request_id)
                 self._wakeup.set()
+
+    async def _tokenized(self, prompt: PromptType) -> PromptType:
+        """Text prompts tokenized in a worker thread, so a long prompt never stalls the event loop (the engine
+        loop then only checks the ids)."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
+        if not isinstance(text, str):
+            return prompt
+        return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.tokenizer.encode, text)}
 
     async def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -115,7 +163,8 @@ class AsyncLLM:
         blocks, slots = kv.usage
         return EngineStats(len(sched.running), len(sched.waiting), blocks, slots, kv.block_pool.num_free,
                            kv.block_pool.num_blocks, len(kv.free_slots), kv.num_state_slots,
-                           self.prompt_tokens_total, self.generation_tokens_total, self.engine.spec_decode_stats)
+                           self.prompt_tokens_total, self.engine.output_processor.num_generation_tokens,
+                           self.engine.spec_decode_stats)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -145,18 +194,20 @@ class AsyncLLM:
             try:
                 self.prompt_tokens_total += self.engine.add_request(p.request_id, p.prompt, p.params)
             except Exception as e:  # bad input: only this request fails
-                p.queue.put_nowait(e)
+                p.collector.put(e)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
             for out in self.engine.abort_request(rid):
                 self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
-        if out.finished:
-            self.generation_tokens_total += sum(len(c.token_ids) for c in out.outputs)
-        queue = self.queues.get(out.request_id)
-        if queue is not None:
-            queue.put_nowait(out)
+        collector = self.collectors.get(out.request_id)
+        if collector is None:
+            return
+        if out.finished and out.error is not None:
+            collector.put(RequestFailed(f"the engine failed while running this request: {out.error}"))
+            return
+        collector.put(out)
 
     def _abort_all(self) -> None:
         for out in self.engine.abort_request(list(self.engine.output_processor.parents)):
@@ -166,6 +217,6 @@ class AsyncLLM:
         rids = list(self.engine.output_processor.parents)
         self.engine.abort_request(rids)
         for rid in rids:
-            queue = self.queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(RuntimeError(f"the engine failed while running this request: {error}"))
+            collector = self.collectors.get(rid)
+            if collector is not None:
+                collector.put(RuntimeError(f"the engine failed while running this request: {error}"))

@@ -72,9 +72,10 @@ class IncrementalDetokenizer:
             self._read_chars = len(self._decode(self._ids[self._prefix_offset:self._read_offset]))
         return new
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append tokens; returns the stop string that matched (then output_text is truncated at it, keeping
-        it only if params.include_stop_str_in_output), else None."""
+        it only if params.include_stop_str_in_output), else None. With check_stop False (min_tokens not reached
+        yet) no stop string is matched; later checks find only matches that end in text added by then."""
         if not self.params.detokenize or self.stop_reason is not None or not new_token_ids:
             return None
         self._ids.extend(new_token_ids)
@@ -83,7 +84,7 @@ class IncrementalDetokenizer:
             return None
         start = len(self._text)
         self._text += new
-        return self._check_stop(start)
+        return self._check_stop(start) if check_stop else None
 
     def _check_stop(self, start: int) -> str | None:
         """Search the new text (from start) plus the overlap a stop string begun earlier could need."""

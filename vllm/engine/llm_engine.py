@@ -13,7 +13,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.core.request import Request, RequestStatus
-from vllm.core.scheduler import Scheduler
+from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.outputs import RequestOutput
@@ -21,12 +21,14 @@ from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.spec_decode.ngram import NgramProposer
-from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
 from vllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+# How many failed steps a request may be part of before it is failed itself (see LLMEngine._contain).
+MAX_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -34,6 +36,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer)
+        check_vocab(self.tokenizer, mc.tokenizer, mc.hf_config.vocab_size)  # before the (slow) model load
         self.runner = ModelRunner(config)
         self.kv_cache_manager = self.runner.initialize_cache()
         self.num_spec = config.num_speculative_tokens
@@ -77,6 +80,7 @@ class LLMEngine:
         """Queues the request (n children for n > 1); returns its number of prompt tokens."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = self._checked(params)
         text, ids = self.process_prompt(prompt)
         max_len = self.config.model_config.max_model_len
         if len(ids) >= max_len:
@@ -102,6 +106,20 @@ class LLMEngine:
         for c in children:
             self.scheduler.add_request(c)
         return len(ids)
+
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """What SamplingParams cannot check alone, against this model: raises ValueError naming the field, and
+        clamps top_k to the vocabulary as upstream does (a copy, so the caller's object is unchanged)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+                             + ("; build one with SamplingParams(**your_dict)" if isinstance(params, dict) else ""))
+        V = self.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"stop_token_ids hold ids outside the vocabulary [0, {V}): {bad[:5]}")
+        if params.top_k > V:
+            params = dataclasses.replace(params, top_k=V)
+        return params
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -129,20 +147,52 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         rows = sched.scheduled
-        sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids])
-        spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids])
-        result = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling)
+        try:
+            sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids])
+            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids])
+            result = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling)
+        except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
+            return self._contain(sched, e)
+        for s in rows:
+            if s.samples:
+                s.request.suspect = False  # it sampled in a step that worked: not the cause of an earlier failure
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
         updated = self.scheduler.update_from_output(sched, result.sampled)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs)
-        for rid in stopped:
+        outputs, stopped, failed = self.output_processor.process(updated, result.logprobs)
+        for rid, status in [(rid, RequestStatus.FINISHED_STOPPED) for rid in stopped] + \
+                [(rid, RequestStatus.FINISHED_ERROR) for rid in failed]:
             req = self.scheduler.requests.get(rid)
             if req is not None:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish(req, status)
         if self.proposer is not None:
             self._propose()
         return outputs
+
+    def _contain(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A step raised. The model may have updated every row's cache and state before it did, so no row can
+        simply run again: each is requeued to be recomputed from its tokens (exact, as after a preemption) and
+        marked a suspect, which the scheduler runs alone. A step of one request that fails is that request's
+        fault: it alone finishes with finish_reason "error" and everything it held is freed. A request in
+        MAX_FAILED_STEPS failed steps fails too, so a fault that needs company cannot loop forever."""
+        reqs = [s.request for s in sched.scheduled]
+        culprits = [r for r in reqs if len(reqs) == 1 or r.num_failed_steps + 1 >= MAX_FAILED_STEPS]
+        message = f"{type(error).__name__}: {error}"
+        if culprits:
+            logger.error("request(s) %s failed (%s); other requests continue", [r.request_id for r in culprits],
+                         message, exc_info=error)
+        else:
+            logger.warning("a step of %d requests failed (%s); recomputing them one at a time to find the cause",
+                           len(reqs), message)
+        for req in reversed(reqs):  # requeue keeps the step's order at the front of the queue
+            req.num_failed_steps += 1
+            if req in culprits:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            elif not req.status.finished:
+                self.scheduler.running.remove(req)
+                self.scheduler.requeue(req)
+                req.suspect = True
+        return [out for r in culprits if (out := self.output_processor.fail(r.request_id, message)) is not None]
 
     def _propose(self) -> None:
         """ngram drafts for each decoding request, verified in the next step. A verify step emits up to

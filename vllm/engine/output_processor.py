@@ -1,13 +1,21 @@
-"""OutputProcessor: per-request detokenization, stop strings, logprobs and n > 1 aggregation into RequestOutputs."""
+"""OutputProcessor: per-request detokenization, stop strings, logprobs and n > 1 aggregation into RequestOutputs.
+
+Each request gets outputs of its SamplingParams.output_kind: CUMULATIVE (everything so far), DELTA (only what is
+new: what the server streams, so memory per output stays small however long the text grows) or FINAL_ONLY (one
+output at the end: what LLM.generate needs). A request whose own processing raises fails alone ("error").
+"""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from vllm.core.request import Request, RequestStatus
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -21,6 +29,7 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_seen: int = 0  # output tokens already handed to the detokenizer (a verify step appends several)
+    num_sent: int = 0  # output tokens already in a DELTA output (whose logprob rows are then dropped here)
 
 
 @dataclass(slots=True)
@@ -33,6 +42,8 @@ class ParentState:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     finished_children: set[int] = field(default_factory=set)
+    sent_prompt_logprobs: bool = False  # DELTA: prompt logprobs go out once, with the first output
+    error: str | None = None
 
 
 class OutputProcessor:
@@ -40,6 +51,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_parent: dict[str, tuple[str, int]] = {}
+        self.num_generation_tokens = 0  # tokens of every finished request (aborted ones too), for metrics
 
     def add(self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams) -> None:
         states = [ChildState(c, i, IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params),
@@ -67,44 +79,69 @@ class OutputProcessor:
                 parent.prompt_logprobs.append(self._logprob_dict(ids, lps, rank))
 
     def process(self, updated: list[Request], logprobs: dict, now: float | None = None
-                ) -> tuple[list[RequestOutput], list[str]]:
+                ) -> tuple[list[RequestOutput], list[str], list[str]]:
         """Turn the requests that got a token this step into outputs.
 
-        Returns the outputs and the child request ids that a stop string finished (the engine must abort them
-        in the scheduler so their cache is freed).
+        Returns the outputs, the child request ids that a stop string finished and those whose processing raised
+        (the engine must finish both kinds in the scheduler so their cache is freed).
         """
         now = time.monotonic() if now is None else now
         touched: dict[str, ParentState] = {}
-        stopped_by_string = []
+        stopped_by_string, failed = [], []
         for req in updated:
             parent_id, index = self.child_parent[req.request_id]
             parent = self.parents[parent_id]
-            child = parent.children[index]
-            new_tokens = req.output_token_ids[child.num_seen:]
-            child.num_seen = len(req.output_token_ids)
-            m = parent.metrics
-            m.first_scheduled_time = m.first_scheduled_time or req.first_scheduled_time
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
-            m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
-            if child.logprobs is not None and req.request_id in logprobs:
-                ids, lps, rank = logprobs[req.request_id]
-                child.logprobs.append(self._logprob_dict(ids, lps, rank))
-                child.cumulative_logprob += lps[0]
-            if req.spec_stats is not None:
-                _add_spec_metrics(m, parent.children)
-            stop_str = child.detokenizer.update(new_tokens)
-            if stop_str is not None and not req.status.finished:
-                stopped_by_string.append(req.request_id)
-                child.finish_reason, child.stop_reason = "stop", stop_str
-            elif req.status.finished:
-                child.finish_reason = req.status.value
-                child.stop_reason = req.stop_reason
-            if child.finish_reason is not None:
-                parent.finished_children.add(index)
+            try:
+                self._advance(parent, parent.children[index], req, logprobs, now)
+            except Exception as e:  # noqa: BLE001 - this request's tokens or text: it fails, the others go on
+                logger.error("processing the output of request %s failed; it finishes with an error", parent_id,
+                             exc_info=e)
+                failed.append(req.request_id)
+                self._fail_child(parent, parent.children[index], f"{type(e).__name__}: {e}")
+            else:
+                if parent.children[index].finish_reason == "stop" and not req.status.finished:
+                    stopped_by_string.append(req.request_id)
             touched[parent_id] = parent
-        outputs = [self._output(p, now) for p in touched.values()]
-        return outputs, stopped_by_string
+        outputs = [out for p in touched.values() if (out := self._output(p, now)) is not None]
+        return outputs, stopped_by_string, failed
+
+    def _advance(self, parent: ParentState, child: ChildState, req: Request, logprobs: dict, now: float) -> None:
+        new_tokens = req.output_token_ids[child.num_seen:]
+        child.num_seen = len(req.output_token_ids)
+        m = parent.metrics
+        m.first_scheduled_time = m.first_scheduled_time or req.first_scheduled_time
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
+        if child.logprobs is not None and req.request_id in logprobs:
+            ids, lps, rank = logprobs[req.request_id]
+            child.logprobs.append(self._logprob_dict(ids, lps, rank))
+            child.cumulative_logprob += lps[0]
+        if req.spec_stats is not None:
+            _add_spec_metrics(m, parent.children)
+        # Stop strings wait for min_tokens, as stop tokens do: text before then may contain them.
+        stop_str = child.detokenizer.update(new_tokens, check_stop=len(req.output_token_ids) >=
+                                            req.sampling_params.min_tokens)
+        if stop_str is not None and not req.status.finished:
+            child.finish_reason, child.stop_reason = "stop", stop_str
+        elif req.status.finished:
+            child.finish_reason = req.status.value
+            child.stop_reason = req.stop_reason
+        if child.finish_reason is not None:
+            parent.finished_children.add(child.index)
+
+    def fail(self, child_id: str, message: str) -> RequestOutput | None:
+        """The child request failed in a step (the engine freed it): its output, if that finishes its parent."""
+        parent_id, index = self.child_parent[child_id]
+        parent = self.parents[parent_id]
+        self._fail_child(parent, parent.children[index], message)
+        return self._output(parent, time.monotonic())
+
+    @staticmethod
+    def _fail_child(parent: ParentState, child: ChildState, message: str) -> None:
+        child.finish_reason, child.stop_reason = RequestStatus.FINISHED_ERROR.value, None
+        parent.finished_children.add(child.index)
+        parent.error = parent.error or message
 
     def abort(self, request_id: str) -> RequestOutput | None:
         parent = self.parents.get(request_id)
@@ -116,23 +153,40 @@ class OutputProcessor:
                 parent.finished_children.add(c.index)
         return self._output(parent, time.monotonic())
 
-    def _output(self, parent: ParentState, now: float) -> RequestOutput:
+    def _output(self, parent: ParentState, now: float) -> RequestOutput | None:
         finished = len(parent.finished_children) == len(parent.children)
+        kind = parent.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         completions = []
         for c in parent.children:
-            det = c.detokenizer
-            text = det.output_text if c.finish_reason is not None else det.get_next_output_text(False, False)
+            done = c.finish_reason is not None
+            ids = c.request.output_token_ids
+            if delta:
+                text = c.detokenizer.get_next_output_text(done, delta=True)
+                start, c.num_sent = c.num_sent, len(ids)
+                token_ids, lps = ids[start:], c.logprobs
+                if c.logprobs is not None:  # sent rows are the consumer's now: keep none of them here
+                    c.logprobs = []
+            else:
+                text = c.detokenizer.output_text if done else c.detokenizer.get_next_output_text(False, False)
+                token_ids, lps = list(ids), c.logprobs
             completions.append(CompletionOutput(
-                index=c.index, text=text, token_ids=list(c.request.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason))
+                index=c.index, text=text, token_ids=token_ids, cumulative_logprob=c.cumulative_logprob,
+                logprobs=lps, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_logprobs = parent.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
+            parent.sent_prompt_logprobs = True
         if finished:
             parent.metrics.finished_time = now
+            self.num_generation_tokens += sum(len(c.request.output_token_ids) for c in parent.children)
             del self.parents[parent.request_id]
             for c in parent.children:
                 self.child_parent.pop(c.request.request_id, None)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
-                             completions, finished, parent.metrics)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
+                             completions, finished, parent.metrics, error=parent.error)
 
     def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         out = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}

@@ -1,6 +1,7 @@
 """LLM: offline batched generation, as upstream: `LLM(model=...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -9,7 +10,7 @@ from tqdm.auto import tqdm
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -28,7 +29,10 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A single prompt may be passed bare (string, dict or token ids)."""
+        """Outputs in the order of `prompts`. A single prompt may be passed bare (string, dict or token ids).
+
+        A prompt whose step fails (an engine bug its input triggers) comes back with finish_reason "error" and
+        `error` set; the other prompts of the call are unaffected."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -36,10 +40,16 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}; build one with SamplingParams(**your_dict)")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; pass one, "
                              "or one per prompt")
-        return self._run(prompts, sampling_params, use_tqdm)
+        # Only the final outputs are returned, so the engine builds no others (upstream does the same).
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
+        return self._run(prompts, [final[id(p)] for p in sampling_params], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

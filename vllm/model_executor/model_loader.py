@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from vllm.model_executor.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
@@ -67,12 +67,20 @@ def read_config_json(model_dir: str | Path) -> dict:
         raise CheckpointNotFoundError(f"{path} is missing: a model directory needs config.json")
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def load_config(model_dir: str | Path) -> KimiK3TextConfig:
-    return KimiK3TextConfig.from_dict(read_config_json(model_dir))
+def load_config(model_dir: str | Path, raw: dict | None = None) -> KimiK3TextConfig:
+    """The parsed config.json (`raw` if the caller read it already); errors name the file."""
+    try:
+        return KimiK3TextConfig.from_dict(read_config_json(model_dir) if raw is None else raw)
+    except CheckpointError as e:
+        if str(e).startswith(str(Path(model_dir))):
+            raise
+        raise type(e)(f"{Path(model_dir) / 'config.json'}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -80,9 +88,15 @@ def weight_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} must be JSON with a 'weight_map' object of tensor name -> shard "
                                   f"file ({type(e).__name__}: {e})") from e
+        root = model_dir.resolve()
+        for shard in shards:
+            # Only files inside the model directory may be opened, whatever the index says.
+            if not isinstance(shard, str) or not (model_dir / shard).resolve().is_relative_to(root):
+                raise CheckpointError(f"{index} names shard {shard!r}, which is not a file inside {model_dir}; "
+                                      "shards must be relative paths within the model directory")
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise CheckpointNotFoundError(f"{INDEX_FILE} in {model_dir} lists shards that are missing: {missing}")
@@ -94,9 +108,15 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in tqdm(files, desc="Loading safetensors shards"):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{path} is not a readable safetensors file (truncated, empty or another "
+                                  f"format?): {type(e).__name__}: {e}") from None
 
 
 _DENSE_AS_MOE = re.compile(r"^(model\.layers\.(\d+)\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
@@ -174,7 +194,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
                backends: HybridBackends | None = None, config: KimiK3TextConfig | None = None) -> KimiK3ForCausalLM:
     """`config`, when the caller parsed it already, saves parsing config.json again."""
     raw = read_config_json(model_dir)
-    config = config or KimiK3TextConfig.from_dict(raw)
+    config = config or load_config(model_dir, raw)
     model = build_model(config, resolve_dtype(dtype, raw), device, backends or reference_backends())
     load_weights(model, model_dir)
     return model

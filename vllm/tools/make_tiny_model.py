@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def tiny_text_config(family: str, **overrides) -> dict:
     """A flat text config.json dict; `family` 'k3' switches on every K3-only feature."""
     cfg = dict(
-        model_type="kimi_linear", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        model_type="kimi_linear", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2,
         num_shared_experts=1, num_expert_group=1, topk_group=1, routed_scaling_factor=1.0, hidden_act="silu",

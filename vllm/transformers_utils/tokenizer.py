@@ -6,7 +6,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from vllm.model_executor.checkpoint_errors import CheckpointNotFoundError
+from vllm.model_executor.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 
 
 def get_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -20,5 +20,20 @@ def get_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     transformers.logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - whatever the library raises, the message must name the files
+        # The tokenizers library reports a corrupt file without naming it.
+        files = [f.name for f in sorted(path.glob("tokenizer*.json")) + sorted(path.glob("special_tokens_map.json"))]
+        raise CheckpointError(f"the tokenizer in {path} ({', '.join(files)}) could not be loaded: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, path: str | Path, model_vocab_size: int) -> None:
+    """A tokenizer whose ids reach past the model's embedding rows would be refused prompt by prompt; refuse it
+    once, at start-up."""
+    size = len(tokenizer)
+    if size > model_vocab_size:
+        raise CheckpointError(f"the tokenizer in {path} has {size} tokens but the model's vocab_size is "
+                              f"{model_vocab_size}: its ids would index past the embedding; use the model's own "
+                              "tokenizer (--tokenizer DIR)")

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,3 +65,78 @@ def test_signal_with_requests_in_flight(start_server, read_metrics, sig):
     assert set(wholes) <= {200, 503}, wholes
     err = server.stderr()
     assert "Traceback" not in err, err[-3000:]
+
+
+def _stalled_stream(server, max_tokens: int = 4000) -> socket.socket:
+    """A streaming request on a raw socket with a tiny receive window, never read; n = 4 samples with top-20
+    logprobs make each step's events about 4 KB, so the server's kernel buffers (4 MB at most) fill soon."""
+    body = json.dumps({**BODY, "max_tokens": max_tokens, "stream": True, "logprobs": 20, "n": 4,
+                       "temperature": 0.7, "seed": 0}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def _wait_until_sends_block(server, read_metrics, limit_s: float = 240) -> None:
+    """The server times each token as its stream pulls it; a stream blocked on a full socket pulls none, so the
+    count stops while the request still runs."""
+    last, since, deadline = -1.0, time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        m = read_metrics(server.url)
+        count = m["vllm:inter_token_latency_seconds_count"]
+        assert m["vllm:num_requests_running"] > 0 or count == 0, "the request finished before its sends blocked"
+        if count != last:
+            last, since = count, time.monotonic()
+        elif count > 0 and time.monotonic() - since > 3:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the server's sends never blocked")
+
+
+def test_sigterm_with_a_client_that_stopped_reading_is_prompt_and_quiet(start_server, read_metrics):
+    server = start_server("--max-model-len", "4096")
+    stalled = _stalled_stream(server)
+    _wait_until_sends_block(server, read_metrics)
+    exit_s = server.stop(signal.SIGTERM)
+    stalled.close()
+    assert server.proc.returncode == 0
+    assert exit_s < 4, f"exit took {exit_s:.1f} s"
+    err = server.stderr()
+    assert "Traceback" not in err and "without completing" not in err, err[-3000:]
+
+
+def test_two_quick_sigints_exit_quietly(start_server):
+    server = start_server()
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    server.proc.send_signal(signal.SIGINT)
+    assert server.stop(timeout=15) < 15
+    assert "Traceback" not in server.stderr(), server.stderr()[-3000:]
+
+
+def test_sigint_while_loading_is_one_line(tmp_path):
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0"],
+                            stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while "INFO" not in Path(err.name).read_text() and time.monotonic() < deadline:  # loading has begun
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    text = Path(err.name).read_text()
+    assert "Traceback" not in text and "interrupted" in text, text[-3000:]
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Loading safetensors" not in result.stderr and "attention backends" not in result.stderr

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading, before the server's own handling
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 from vllm.engine.arg_utils import EngineArgs
 
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes={args.max_request_body_bytes} is invalid: expected >= 1")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len={args.max_log_len} is invalid: expected >= 0")
+    # The port first: a port in use is reported in a second, not after the model has loaded.
+    sock = bind_socket(args.host, args.port)
     # Heavy imports only once the arguments are known to be good (`vllm --help` stays fast).
     from vllm.engine.async_llm import AsyncLLM
     from vllm.entrypoints.openai.api_server import run_server
@@ -52,5 +55,20 @@ def run(args: argparse.Namespace) -> int:
                               max_log_len=args.max_log_len, log_requests=not args.disable_log_requests,
                               max_body_bytes=args.max_request_body_bytes,
                               api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    return run_server(engine, settings, args.host, args.port, args.uvicorn_log_level)
+    with sock:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        return run_server(engine, settings, sock, args.uvicorn_log_level)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (listening starts with the server); ValueError if the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT, not over a listener
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (is another server using --port {port}? "
+                         "pick another with --port)") from None
+    return sock

@@ -6,10 +6,14 @@ type, oversized or malformed body, bad field) becomes one OpenAI-shaped error wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import re
 import signal
+import socket
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -18,6 +22,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.metrics import Metrics
@@ -25,12 +30,13 @@ from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, C
                                               TokenizeRequest, validation_error)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import ServerSettings
+from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
 from vllm.version import __version__
 
 logger = logging.getLogger("vllm.entrypoints.openai")
 
 GRACEFUL_SHUTDOWN_S = 5  # in-flight requests are aborted at the signal; this bounds any straggler connection
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body so the client sees the 413
 
 
@@ -51,12 +57,39 @@ async def parse_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if (where := _lone_surrogate(data)) is not None:
+        raise APIError(400, f"{where or 'the request body'} holds a lone UTF-16 surrogate (such as \\ud800), "
+                            "which is not a character: send valid Unicode text", where or None)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply") from None
+
+
+def _lone_surrogate(data) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, "" for the body itself;
+    None when every string is valid Unicode. JSON allows "\\ud800", but it cannot be tokenized nor sent back."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key_path = f"{path}.{k}".lstrip(".")
+                if _SURROGATE.search(k):
+                    return path
+                stack.append((key_path, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 class Guard:
@@ -64,7 +97,7 @@ class Guard:
 
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app, self.settings = app, settings
-        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.expected = settings.api_key.encode() if settings.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         error = self.check(scope) if scope["type"] == "http" else None
@@ -80,9 +113,11 @@ class Guard:
 
     def check(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
-        if (self.expected is not None and scope["path"].startswith("/v1")
-                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
-            return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
+        # A CORS preflight (OPTIONS) carries no credentials by design; the CORS middleware answers it.
+        if self.expected is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+                return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.settings.max_body_bytes:
             return APIError(413, f"the request body ({int(length)} bytes) is over the limit of "
@@ -114,6 +149,9 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     app.state.shutdown_task = None
     app.state.begin_shutdown = begin_shutdown
     app.add_middleware(Guard, settings=settings)
+    # Outermost, so preflights are answered before the key check; upstream's defaults (any origin, no cookies).
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=False, allow_methods=["*"],
+                       allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -153,8 +191,9 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def tokenize(request: Request) -> dict:
         req = await parse_body(request, TokenizeRequest, limit)
         completion.check_model(req.model)
-        ids = (engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-               if req.prompt is not None else chat.prompt_ids(req.messages, req.add_generation_prompt))
+        # In a worker thread: tokenizing a long prompt must not stall the event loop (and /health with it).
+        ids = await (asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+                     if req.prompt is not None else chat.prompt_ids(req.messages, req.add_generation_prompt))
         return {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -170,16 +209,10 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-class _Stop(Exception):
-    """Raised by our SIGTERM handler once uvicorn has shut down and re-raises the signal it caught."""
-
-
-def _raise_stop(sig, frame):
-    raise _Stop
-
-
 class Server(uvicorn.Server):
-    """uvicorn plus: a line once listening, and in-flight requests ended at the first SIGINT/SIGTERM."""
+    """uvicorn plus: a line once listening, in-flight requests ended at the first SIGINT/SIGTERM, and signals
+    handled here rather than re-raised at exit (uvicorn re-raises each one it caught once it has shut down,
+    which turned a second Ctrl-C or a SIGTERM into tracebacks)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, names: list[str]) -> None:
         super().__init__(config)
@@ -193,22 +226,49 @@ class Server(uvicorn.Server):
             print(f"vllm API server ready: serving {', '.join(self.names)} on http://{host}:{port}", flush=True)
 
     def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
+        # No forced exit on a second Ctrl-C (uvicorn's): that skips the lifespan shutdown and tears tasks down
+        # with tracebacks, while the graceful one is already bounded (requests aborted at once, stalled
+        # clients cut after STALLED_AT_SHUTDOWN_S, GRACEFUL_SHUTDOWN_S at most).
+        if self.should_exit:
+            logger.warning("already shutting down (within %d s)", GRACEFUL_SHUTDOWN_S)
+            return
+        self.should_exit = True
         if self.loop is not None:  # signal handlers run between bytecodes: hand the work to the loop
             self.loop.call_soon_threadsafe(self.app.state.begin_shutdown)
 
+    async def shutdown(self, sockets=None) -> None:
+        reaper = asyncio.ensure_future(self._drop_unflushable())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            reaper.cancel()
 
-def run_server(engine, settings: ServerSettings, host: str, port: int, log_level: str) -> int:
+    async def _drop_unflushable(self) -> None:
+        """A connection closed by the server whose client reads nothing (a stalled stream we cut) can never flush
+        its last bytes, and uvicorn would wait out the graceful timeout for it: drop such connections."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None and transport.is_closing():
+                    transport.abort()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_server(engine, settings: ServerSettings, sock: socket.socket, log_level: str) -> int:
+    """Serves on `sock`, bound by the caller before the model loaded."""
     app = build_app(engine, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = Server(config, app, settings.served_model_names)
-    # uvicorn re-raises the signal it caught after shutting down; turn that into a clean exit, not a kill.
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
-    try:
-        server.run()
-    except (KeyboardInterrupt, _Stop):
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    Server(config, app, settings.served_model_names).run(sockets=[sock])
     return 0

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 _SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed overflows above 64 bits; n > 1 adds the child index
 
@@ -94,14 +94,18 @@ class SamplingRequest(OpenAIBaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams validate ranges and raise ValueError naming the field (the server's 400)."""
+        """SamplingParams validate ranges and raise ValueError naming the field (the server's 400). Outputs are
+        DELTA (each new piece once): streams send them on, whole answers join them; the server's latency
+        metrics see every step either way."""
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                   "frequency_penalty", "repetition_penalty")}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in optional.items() if v is not None})
+            skip_special_tokens=self.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA,
+            **{k: v for k, v in optional.items() if v is not None})
 
 
 class CompletionRequest(SamplingRequest):

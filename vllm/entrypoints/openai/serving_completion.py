@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.openai.protocol import APIError, CompletionRequest
 from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, sse, started,
                                                     until_disconnect, usage)
-from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -26,38 +26,46 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         for i, p in enumerate(req.prompt):
             self.log_request(f"{request_id}-{i}", p, params)
-        outputs = await started(self.generate(req.prompt, params, request_id))
         run = _Run(self, req, request_id)
-        if req.stream:
-            return SSEResponse(run.stream(outputs))
-        return await until_disconnect(raw, run.full(outputs))
+        if req.stream:  # bad input raises before the response starts
+            return SSEResponse(run.stream(await started(self.generate(req.prompt, params, request_id))),
+                               self.stall_limit)
+        return await until_disconnect(raw, run.full(self.generate(req.prompt, params, request_id)))
 
 
 class _Run:
-    """One completion call: turns cumulative engine outputs into OpenAI choices, whole or as deltas."""
+    """One completion call: turns engine outputs (deltas) into OpenAI choices, streamed or joined."""
 
     def __init__(self, serving: OpenAIServingCompletion, req: CompletionRequest, request_id: str) -> None:
         self.serving, self.req, self.tokenizer = serving, req, serving.engine.tokenizer
         self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                      "model": serving.model_name}
-        self.last: dict[int, RequestOutput] = {}
+        self.prompt_tokens: dict[int, int] = {}  # per prompt
+        self.completion_tokens: dict[int, int] = {}  # per choice, summed over deltas
 
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.req.n + c.index
 
     def usage(self) -> dict:
-        return usage(sum(len(o.prompt_token_ids) for o in self.last.values()),
-                     sum(len(c.token_ids) for o in self.last.values() for c in o.outputs))
+        return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    def count(self, i: int, out: RequestOutput) -> None:
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        for c in out.outputs:
+            k = self.index(i, c)
+            self.completion_tokens[k] = self.completion_tokens.get(k, 0) + len(c.token_ids)
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
     async def full(self, outputs) -> Response:
+        joined: dict[int, OutputJoiner] = {}
         async with aclosing(outputs):
             async for i, out in outputs:
-                self.last[i] = out
+                self.count(i, out)
+                joined.setdefault(i, OutputJoiner()).add(out)
         choices = []
-        for i, out in sorted(self.last.items()):
+        for i, out in sorted((i, j.pop()) for i, j in joined.items()):
             for c in out.outputs:
                 text, ids, lps = c.text, c.token_ids, c.logprobs
                 if self.req.echo:
@@ -71,28 +79,28 @@ class _Run:
         return JSONResponse({**self.base, "choices": choices, "usage": self.usage()})
 
     async def stream(self, outputs):
-        sent_text: dict[int, int] = {}  # choice index -> characters sent
-        sent_ids: dict[int, int] = {}
+        started: set[int] = set()  # choices that have had a chunk (the echo goes with the first)
         offsets: dict[int, int] = {}
+        prompt_lps: dict[int, list] = {}  # per prompt: its logprobs come once, in its first delta
         try:
             async with aclosing(outputs):
-                async for i, out in outputs:
-                    self.last[i] = out
+                async for i, out in outputs:  # deltas: each piece of text, ids and logprobs comes once
+                    self.count(i, out)
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[i] = out.prompt_logprobs
                     for c in out.outputs:
                         k = self.index(i, c)
-                        first = k not in sent_text
-                        text, ids = c.text[sent_text.get(k, 0):], c.token_ids[sent_ids.get(k, 0):]
-                        lps = c.logprobs[sent_ids.get(k, 0):] if c.logprobs is not None else None
-                        if first and self.req.echo:
+                        text, ids, lps = c.text, c.token_ids, c.logprobs
+                        if k not in started and self.req.echo:
                             text = self.prompt_text(out) + text
                             ids = out.prompt_token_ids + ids
-                            lps = (out.prompt_logprobs or []) + lps if lps is not None else None
+                            lps = prompt_lps.get(i, []) + lps if lps is not None else None
                         if not (text or c.finish_reason or (ids and lps is not None)):
                             continue  # the detokenizer held text back (a possible stop string): nothing to say
+                        started.add(k)
                         logprobs = self.logprobs(ids, lps, offsets.get(k, 0)) if lps is not None else None
                         if logprobs is not None:
                             offsets[k] = offsets.get(k, 0) + sum(len(t) for t in logprobs["tokens"])
-                        sent_text[k], sent_ids[k] = len(c.text), len(c.token_ids)
                         yield sse({**self.base, "choices": [{"index": k, "text": text, "logprobs": logprobs,
                                                             "finish_reason": c.finish_reason,
                                                             "stop_reason": c.stop_reason}]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -19,6 +19,9 @@ from vllm.sampling_params import SamplingParams
 logger = logging.getLogger("vllm.entrypoints.openai")
 
 DONE = "data: [DONE]\n\n"
+STALLED_CLIENT_S = 60.0  # a stream whose send blocks this long (the client reads nothing) is cut
+STALLED_AT_SHUTDOWN_S = 1.0  # once shutting down, waiting for such a client only delays the exit
+STALL_CHECK_S = 0.25
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"prompt_token_ids"}
 
 
@@ -41,23 +44,81 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class SSEResponse(StreamingResponse):
-    """Closes its generator however the response ends, so a disconnect aborts the engine requests now rather
-    than whenever the garbage collector finalizes a generator left suspended at a `yield`."""
+    """An event stream that closes its generator however the response ends (so a disconnect aborts the engine
+    requests now rather than whenever the garbage collector finalizes a generator left suspended at a `yield`),
+    and that gives up on a client that stops reading: a send blocked for `stall_limit()` seconds (the client's
+    window is full) cuts the stream, so a stalled client can neither hold the server's shutdown nor stay forever."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], stall_limit: Callable[[], float]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stall_limit = stall_limit
+        self.cut = False
 
     async def __call__(self, scope, receive, send) -> None:
+        loop = asyncio.get_running_loop()
+        sending_since: list[float | None] = [None]
+
+        async def timed_send(message) -> None:
+            sending_since[0] = loop.time()
+            try:
+                await send(message)
+            finally:
+                sending_since[0] = None
+
+        async def watch(task: asyncio.Task) -> None:
+            while True:
+                await asyncio.sleep(STALL_CHECK_S)
+                since = sending_since[0]
+                if since is not None and loop.time() - since > self.stall_limit():
+                    self.cut = True
+                    task.cancel()
+                    return
+
+        watchdog = asyncio.ensure_future(watch(asyncio.current_task()))
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except asyncio.CancelledError:
+            if not self.cut:
+                raise
+            asyncio.current_task().uncancel()  # our own cancel, handled: the task goes on (uvicorn closes up)
+            logger.warning("closed a stream whose client stopped reading (a send blocked over %.0f s)",
+                           self.stall_limit())
+            STALLED_CUTS.note()
         finally:
+            watchdog.cancel()
             await self.body_iterator.aclose()
+
+
+class _QuietCut(logging.Filter):
+    """uvicorn reports a response we cut (a stalled client) as an error ("returned without completing"); we have
+    said why already, so that one line is dropped, once per cut."""
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = 0
+
+    def note(self) -> None:
+        self.pending += 1
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pending and record.getMessage() == self.MESSAGE:
+            self.pending -= 1
+            return False
+        return True
+
+
+STALLED_CUTS = _QuietCut()
+logging.getLogger("uvicorn.error").addFilter(STALLED_CUTS)
 
 
 class OpenAIServing:
     def __init__(self, engine, settings: ServerSettings, metrics: Metrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.shutting_down = False
+
+    def stall_limit(self) -> float:
+        return STALLED_AT_SHUTDOWN_S if self.shutting_down else STALLED_CLIENT_S
 
     @property
     def model_name(self) -> str:
@@ -88,7 +149,8 @@ class OpenAIServing:
 
     async def generate(self, prompts: list[str | list[int] | dict], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) for each prompt, each run as its own engine request.
+        """(prompt index, output) for each prompt, each run as its own engine request; outputs are of
+        params.output_kind (DELTA for streams, FINAL_ONLY for whole answers).
 
         Nothing is yielded until every prompt has produced its first output, so a bad prompt among several
         raises (as an APIError) before a response has started. Closing this generator aborts what is running.
@@ -105,6 +167,7 @@ class OpenAIServing:
         tasks = [asyncio.create_task(pump(i, self.engine.generate(p, params, f"{request_id}-{i}")))
                  for i, p in enumerate(prompts)]
         timers = [self.metrics.timer() for _ in prompts]
+        tokens = [dict.fromkeys(range(params.n), 0) for _ in prompts]  # per prompt and sample: tokens so far
         held: list | None = []
         seen: set[int] = set()
         finished = 0
@@ -113,7 +176,9 @@ class OpenAIServing:
                 i, item = await queue.get()
                 if isinstance(item, Exception):
                     raise self.error(item)
-                timers[i].update(max(len(c.token_ids) for c in item.outputs))
+                for c in item.outputs:
+                    tokens[i][c.index] += len(c.token_ids)
+                timers[i].update(max(tokens[i].values()))
                 if item.finished:
                     finished += 1
                     timers[i].finish([c.finish_reason for c in item.outputs])

@@ -27,6 +27,18 @@ _ALIASES = {
 }
 
 
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "kda_num_heads",
+                  "kda_head_dim", "conv_kernel_size", "num_attention_heads", "kv_lora_rank", "v_head_dim",
+                  "intermediate_size", "moe_intermediate_size", "moe_layer_freq", "num_experts",
+                  "num_experts_per_token", "num_expert_group", "topk_group")
+_NON_NEGATIVE_INTS = ("qk_nope_head_dim", "qk_rope_head_dim", "first_k_dense_replace", "num_shared_experts")
+_OPTIONAL_POSITIVE_INTS = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
+_POSITIVE_FLOATS = ("rms_norm_eps", "mla_latent_norm_eps", "activation_situ_beta", "activation_situ_linear_beta",
+                    "routed_scaling_factor")
+_BOOLS = ("tie_word_embeddings", "use_full_rank_gate", "mla_use_output_gate", "moe_renormalize",
+          "latent_moe_use_norm")
+
+
 @dataclass(slots=True)
 class KimiK3TextConfig:
     vocab_size: int
@@ -81,6 +93,7 @@ class KimiK3TextConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name, ids in (("kda_layers", self.kda_layers), ("full_attn_layers", self.mla_layers)):
             repeated = sorted({i + 1 for i in ids if ids.count(i) > 1})
             if repeated:
@@ -110,6 +123,46 @@ class KimiK3TextConfig:
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(f"num_experts_per_token={self.num_experts_per_token} exceeds "
                              f"num_experts={self.num_experts}")
+
+    def _check_types(self) -> None:
+        """Each field's type and range, so a bad value is named here instead of failing deep in the model."""
+        def fail(name: str, expected: str) -> None:
+            raise CheckpointError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+        for name in _POSITIVE_INTS:
+            if not (is_int(getattr(self, name)) and getattr(self, name) > 0):
+                fail(name, "a positive integer")
+        for name in _NON_NEGATIVE_INTS:
+            if not (is_int(getattr(self, name)) and getattr(self, name) >= 0):
+                fail(name, "an integer >= 0")
+        for name in _OPTIONAL_POSITIVE_INTS:
+            v = getattr(self, name)
+            if v is not None and not (is_int(v) and v > 0):
+                fail(name, "a positive integer or null")
+        for name in _POSITIVE_FLOATS:
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+                fail(name, "a positive number")
+        if self.gate_lower_bound is not None and (isinstance(self.gate_lower_bound, bool)
+                                                  or not isinstance(self.gate_lower_bound, (int, float))):
+            fail("gate_lower_bound", "a number in [-5, 0) or null")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "true or false")
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
+                fail(name, "an integer token id or null")
+        eos = self.eos_token_id
+        if eos is not None and not is_int(eos) and not (isinstance(eos, list) and all(map(is_int, eos))):
+            fail("eos_token_id", "a token id, a list of token ids or null")
+        for name in ("kda_layers", "mla_layers"):
+            if not (isinstance(getattr(self, name), list) and all(map(is_int, getattr(self, name)))):
+                raise CheckpointError(f"linear_attn_config's layer lists must hold integers, got "
+                                      f"{getattr(self, name)!r}")
+        if not isinstance(self.hidden_act, str):
+            fail("hidden_act", "a string")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
