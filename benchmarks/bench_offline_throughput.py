@@ -1,9 +1,10 @@
-"""Offline generation throughput: our `LLM.generate` versus transformers' `KimiLinearForCausalLM.generate`.
+"""Offline generation throughput and time to first token: our `LLM.generate` (with its defaults, and eagerly)
+versus transformers' `KimiLinearForCausalLM`, in one run.
 
     python benchmarks/bench_offline_throughput.py --device cpu --out benchmarks/results/cpu/offline_throughput_cpu.json
-    python benchmarks/bench_offline_throughput.py --device cuda --config /work/shared/bench/kimi-linear-1b3.json \
-        --dtype bfloat16 --batch-sizes 1,16,64 --prompt-len 256 --output-len 64 \
-        --out benchmarks/results/gpu/offline_throughput_cuda.json
+    python benchmarks/bench_offline_throughput.py --device cuda --config benchmarks/configs/kimi-linear-1b3.json \
+        --dtype bfloat16 --batch-sizes 1,16,64,256 --prompt-len 256 --output-len 128 --engines ours,ours_eager,hf \
+        --ttft-lens 256,2048,8192,32768 --out benchmarks/results/gpu/offline_throughput_cuda.json
 
 Both run the SAME weights: a random transformers model (`--config tiny`, or a KimiLinearConfig JSON) is written
 with save_pretrained (plus the built-in tokenizer files) and our engine loads that directory. A batch of B is B
@@ -11,7 +12,11 @@ prompts of `--prompt-len` random token ids, greedy, exactly `--output-len` new t
 eos_token_id=None for transformers). One warm-up each, then `--repeats` timed runs alternating between the two
 engines; tokens/s counts output tokens over the whole call (prefill included), from the median time. On CPU
 transformers runs its plain torch KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks
-(fla-core kernels if importable), recorded in the JSON. Writes JSON (raw per-repeat times) and a bar-chart PNG.
+(fla-core kernels if importable), recorded in the JSON. `--engines` picks among `ours` (the engine's defaults:
+CUDA graphs on CUDA), `ours_eager` (--enforce-eager) and `hf`. `--ttft-lens`: one request of each length with
+max_tokens=1 through our default engine (its default token budget, so long prompts run in chunks) against
+transformers' forward on the same prompt (no cache, logits for the last token only), medians of --repeats.
+Writes JSON (raw per-repeat times) and a bar-chart PNG.
 """
 from __future__ import annotations
 
@@ -84,24 +89,36 @@ def time_interleaved(fns: dict, repeats: int, device: str) -> tuple[dict, dict]:
     return times, outs
 
 
-def plot(rows: list[dict], meta: dict, title: str, png: str) -> None:
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    x = range(len(rows))
-    for off, key, label in ((-0.2, "ours", "ours: LLM.generate"), (0.2, "hf", "transformers generate")):
+def plot(rows: list[dict], ttft: list[dict], engines: list[str], meta: dict, title: str, png: str) -> None:
+    panels = 2 if ttft else 1
+    fig, axes = plt.subplots(1, panels, figsize=(8 * panels, 4.8), squeeze=False)
+    ax = axes[0][0]
+    width = 0.8 / len(engines)
+    for j, key in enumerate(engines):
         vals = [r[key]["tokens_per_s"] for r in rows]
-        bars = ax.bar([i + off for i in x], vals, width=0.4, label=label)
-        ax.bar_label(bars, [f"{v:,.0f}" for v in vals], fontsize=8)
-    for i, r in enumerate(rows):
-        ax.annotate(f"x{r['ratio']:.1f}", (i, max(r["ours"]["tokens_per_s"], r["hf"]["tokens_per_s"])),
-                    xytext=(0, 14), textcoords="offset points", ha="center", fontweight="bold")
-    ax.set_xticks(list(x), [f"batch {r['batch_size']}" for r in rows])
-    ax.set(yscale="log", ylabel="output tokens/s (median)", title=f"{title}\n(bold: ours / transformers)")
+        bars = ax.bar([i + (j - (len(engines) - 1) / 2) * width for i in range(len(rows))], vals, width=width,
+                      label=LABELS[key])
+        ax.bar_label(bars, [f"{v:,.0f}" for v in vals], fontsize=7)
+    ax.set_xticks(list(range(len(rows))), [f"batch {r['batch_size']}" for r in rows])
+    ax.set(yscale="log", ylabel="output tokens/s (median)", title=title)
     ax.margins(y=0.25)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    if ttft:
+        ax = axes[0][1]
+        lens = [r["prompt_len"] for r in ttft]
+        for key, label in (("ours", "ours: TTFT (generate, max_tokens=1)"), ("hf", "transformers forward")):
+            ax.plot(lens, [r[key]["ms"]["median"] for r in ttft], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms (median)", title="time to first token")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
     fig.suptitle(f"{meta['device_name']} ({meta['device']}), commit {meta['git_commit'][:12]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+
+
+LABELS = {"ours": "ours: LLM.generate (defaults)", "ours_eager": "ours: --enforce-eager",
+          "hf": "transformers generate"}
 
 
 def main() -> None:
@@ -112,16 +129,19 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--engines", default="ours,hf", help="comma list of ours, ours_eager, hf")
+    ap.add_argument("--ttft-lens", default="", help="prompt lengths for time to first token (empty: none)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size and engine (after 1 warm-up)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8, help="ours, CUDA only")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="each engine's cache budget (they coexist)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")
     args = ap.parse_args()
     set_threads(args.threads)
     meta = metadata(args.device)  # at the start: the commit that was measured, not whatever landed meanwhile
+    engines = args.engines.split(",")
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    ttft_lens = [int(n) for n in args.ttft_lens.split(",") if n]
     P, O = args.prompt_len, args.output_len
     tmp = Path(tempfile.mkdtemp(prefix="bench_offline_"))
     hf, cfg = build_checkpoint(args, tmp)
@@ -132,11 +152,18 @@ def main() -> None:
                "conv": "causal_conv1d" if found["causal_conv1d"] else "torch (causal_conv1d not installed)"}
     gen = torch.Generator().manual_seed(args.seed)
     prompts = {b: torch.randint(3, cfg["vocab_size"], (b, P), generator=gen) for b in batches}
-    # Both stay resident (on CUDA our cache leaves --gpu-memory-utilization headroom for transformers' activations).
-    llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=P + O,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * P),
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None)
+    kv_bytes = int(args.kv_cache_gib * (1 << 30))
+
+    decode_kw = dict(max_model_len=P + O, max_num_seqs=max(batches),
+                     max_num_batched_tokens=max(2048, max(batches) * P))
+    llms, startup_s = {}, {}
+    for k in engines:
+        if k != "hf":  # start-up (load, profile, graph capture) timed per engine
+            t0 = time.perf_counter()
+            llms[k] = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed,
+                          kv_cache_memory_bytes=kv_bytes, enforce_eager=k == "ours_eager", **decode_kw)
+            startup_s[k] = time.perf_counter() - t0
+            print(f"{k}: start-up {startup_s[k]:.1f} s", flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=O, ignore_eos=True)
 
     @torch.inference_mode()
@@ -144,32 +171,56 @@ def main() -> None:
         return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=O, min_new_tokens=O,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
 
-    raw, rows = {"hf": {}, "ours": {}}, []
+    raw, rows = {k: {} for k in engines}, []
     for b in batches:
         ids, reqs = prompts[b].to(args.device), [{"prompt_token_ids": p} for p in prompts[b].tolist()]
-        times, outs = time_interleaved({"hf": lambda ids=ids: hf_generate(ids),
-                                        "ours": lambda reqs=reqs: llm.generate(reqs, params, use_tqdm=False)},
-                                       args.repeats, args.device)
-        assert outs["hf"].shape == (b, P + O), f"transformers made {tuple(outs['hf'].shape)}, expected {(b, P + O)}"
-        ours_tokens = [list(o.outputs[0].token_ids) for o in outs["ours"]]
-        assert all(len(t) == O for t in ours_tokens)
-        same = sum(a == h for a, h in zip(ours_tokens, outs["hf"][:, P:].tolist()))
-        row = {"batch_size": b, "greedy_sequences_identical": f"{same}/{b}"}
-        for k in ("ours", "hf"):
+        fns = {k: (lambda ids=ids: hf_generate(ids)) if k == "hf" else
+               (lambda reqs=reqs, k=k: llms[k].generate(reqs, params, use_tqdm=False)) for k in engines}
+        times, outs = time_interleaved(fns, args.repeats, args.device)
+        row = {"batch_size": b}
+        for k in engines:
             raw[k][str(b)] = times[k]
             row[k] = {"s": stats(times[k]), "tokens_per_s": b * O / stats(times[k])["median"]}
-        row["ratio"] = row["ours"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+            if k != "hf":
+                assert all(len(o.outputs[0].token_ids) == O for o in outs[k])
+        if "hf" in engines:
+            assert outs["hf"].shape == (b, P + O), f"transformers made {tuple(outs['hf'].shape)}, expected {(b, P + O)}"
+            for k in llms:
+                same = sum(list(o.outputs[0].token_ids) == h for o, h in zip(outs[k], outs["hf"][:, P:].tolist()))
+                row[f"{k}_greedy_sequences_identical_to_hf"] = f"{same}/{b}"
         rows.append(row)
-        print(f"batch {b:>4}: ours {row['ours']['tokens_per_s']:>9.1f} tok/s  transformers "
-              f"{row['hf']['tokens_per_s']:>9.1f} tok/s  ratio x{row['ratio']:.2f}  identical {same}/{b}", flush=True)
+        print(f"batch {b:>4}: " + "  ".join(f"{k} {row[k]['tokens_per_s']:>9.1f} tok/s" for k in engines), flush=True)
+    llms.clear()
+    torch.cuda.empty_cache() if args.device == "cuda" else None
+    ttft_rows = []
+    if ttft_lens:
+        llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory_bytes=kv_bytes,
+                  max_model_len=max(ttft_lens) + 8)
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        for n in ttft_lens:
+            ids = torch.randint(3, cfg["vocab_size"], (1, n), generator=gen)
+            req = [{"prompt_token_ids": ids[0].tolist()}]
+
+            @torch.inference_mode()
+            def hf_forward(ids=ids.to(args.device)):
+                return hf(ids, logits_to_keep=1).logits
+            times, _ = time_interleaved({"ours": lambda req=req: llm.generate(req, one, use_tqdm=False),
+                                         "hf": hf_forward}, args.repeats, args.device)
+            row = {"prompt_len": n, **{k: {"ms": stats([t * 1e3 for t in v])} for k, v in times.items()}}
+            row["ratio_ours_over_hf"] = row["ours"]["ms"]["median"] / row["hf"]["ms"]["median"]
+            ttft_rows.append(row)
+            print(f"TTFT {n:>6} tokens: ours {row['ours']['ms']['median']:8.1f} ms  transformers "
+                  f"{row['hf']['ms']['median']:8.1f} ms", flush=True)
+        del llm
     shutil.rmtree(tmp, ignore_errors=True)
     import transformers
     data = {**meta, "benchmark": "offline_throughput", "config": {**vars(args), "model_config": cfg},
-            "transformers": {"version": transformers.__version__, **hf_info}, "results": rows,
-            "raw_s": raw}
+            "transformers": {"version": transformers.__version__, **hf_info}, "startup_s": startup_s,
+            "results": rows, "ttft": ttft_rows, "raw_s": raw}
     path = write_json(args.out, data)
     name = "tiny Kimi-Linear" if args.config == "tiny" else Path(args.config).stem
-    plot(rows, meta, f"{name}, {args.dtype}, prompt {P}, output {O}, greedy", str(path.with_suffix(".png")))
+    plot(rows, ttft_rows, engines, meta, f"{name}, {args.dtype}, prompt {P}, output {O}, greedy",
+         str(path.with_suffix(".png")))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -153,23 +153,23 @@ class SpeculativeConfig:
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
 COMPILATION_CONFIG_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
-DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
 
 
 @dataclass(slots=True)
 class CompilationConfig:
     """`--compilation-config '{"cudagraph_mode": ..., "cudagraph_capture_sizes": [...]}'` and `--enforce-eager`.
 
-    cudagraph_mode: NONE (eager; the default while graph memory is not counted in cache sizing, see
-    docs/spec_decode.md), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a prefill
-    row) or FULL (graphs for mixed batches too, only if every backend is ALWAYS).
+    cudagraph_mode: NONE (eager), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a
+    prefill row; the default on CUDA, as upstream) or FULL (graphs for mixed batches too, only if every backend is
+    ALWAYS). The graphs' memory pool is measured before the cache is sized and left out of it.
     Capture sizes are token counts; None picks 1, 2, 4, 8 and multiples of 8 up to max_cudagraph_capture_size
-    (rounded to multiples of 1 + num_speculative_tokens by the runner). `enforce_eager` forces NONE.
+    (None: what a full decode batch can take, max_num_seqs x (1 + num_speculative_tokens), within the token
+    budget), rounded to multiples of 1 + num_speculative_tokens by the runner. `enforce_eager` forces NONE.
     """
     enforce_eager: bool = False
-    cudagraph_mode: str | None = None  # None: NONE (see above)
+    cudagraph_mode: str | None = None  # None: FULL_DECODE_ONLY on CUDA, NONE elsewhere
     cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         flag = "--compilation-config"
@@ -178,7 +178,8 @@ class CompilationConfig:
         sizes = self.cudagraph_capture_sizes
         _require(sizes is None or (isinstance(sizes, list) and all(_is_int(n) and n >= 1 for n in sizes)),
                  f"{flag} cudagraph_capture_sizes", sizes, "a list of token counts >= 1")
-        _require(_is_int(self.max_cudagraph_capture_size) and self.max_cudagraph_capture_size >= 1,
+        _require(self.max_cudagraph_capture_size is None
+                 or (_is_int(self.max_cudagraph_capture_size) and self.max_cudagraph_capture_size >= 1),
                  f"{flag} max_cudagraph_capture_size", self.max_cudagraph_capture_size, "an integer >= 1")
         if sizes is not None:
             self.cudagraph_capture_sizes = sorted(set(sizes))
@@ -198,10 +199,10 @@ class CompilationConfig:
         return cls(enforce_eager=enforce_eager, **data)
 
     def resolved_mode(self, device: torch.device) -> str:
-        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag (NONE when unset)."""
+        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag (FULL_DECODE_ONLY when unset)."""
         if self.enforce_eager or device.type != "cuda":
             return "NONE"
-        return self.cudagraph_mode or "NONE"
+        return self.cudagraph_mode or "FULL_DECODE_ONLY"
 
 
 @dataclass(slots=True)

@@ -146,3 +146,18 @@ def test_capture_replay_matches_eager():
     torch.testing.assert_close(out, x * 2 + 1)
     x.fill_(3.0)
     assert torch.equal(runner.replay(desc), torch.full((64,), 7.0, device="cuda"))
+
+
+def test_default_capture_sizes_cover_every_full_decode_batch():
+    cfg = CompilationConfig()
+    assert capture_sizes(cfg, max_num_seqs=256, max_num_batched_tokens=2048, num_speculative_tokens=0)[-1] == 256
+    with_drafts = capture_sizes(cfg, 256, 2048, 3)
+    assert with_drafts[-1] == 1024 and all(n % 4 == 0 for n in with_drafts)
+    assert capture_sizes(cfg, 100, 2048, 0)[-1] == 100  # not a multiple of 8: still captured
+    assert capture_sizes(cfg, 256, 96, 0)[-1] == 96  # the token budget bounds a decode batch too
+
+
+def test_graphs_are_the_default_on_cuda_only():
+    assert CompilationConfig().resolved_mode(torch.device("cuda")) == "FULL_DECODE_ONLY"
+    assert CompilationConfig().resolved_mode(torch.device("cpu")) == "NONE"
+    assert CompilationConfig(enforce_eager=True).resolved_mode(torch.device("cuda")) == "NONE"

@@ -38,7 +38,9 @@ def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
     return block, slot
 
 
-def cache_budget(config: VllmConfig, activation_peak_bytes: int) -> int:
+def cache_budget(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int = 0) -> int:
+    """The bytes the cache pools may take: given (CPU, --kv-cache-memory-bytes), else the device's share minus
+    other processes, the weights and activation peak, and the CUDA graphs' memory pool."""
     cc = config.cache_config
     if cc.kv_cache_memory_bytes is not None:
         return cc.kv_cache_memory_bytes
@@ -46,13 +48,13 @@ def cache_budget(config: VllmConfig, activation_peak_bytes: int) -> int:
     free, total = torch.cuda.mem_get_info(device)
     others = total - free - torch.cuda.memory_reserved(device)
     weights = torch.cuda.memory_allocated(device)
-    return int(total * cc.gpu_memory_utilization) - others - max(activation_peak_bytes, weights)
+    return int(total * cc.gpu_memory_utilization) - others - max(activation_peak_bytes, weights) - graph_bytes
 
 
-def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
+def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int = 0) -> CacheLayout:
     cc, sc = config.cache_config, config.scheduler_config
     block_bytes, slot_bytes = per_unit_bytes(config)
-    budget = cache_budget(config, activation_peak_bytes)
+    budget = cache_budget(config, activation_peak_bytes, graph_bytes)
     slots = 0
     per_request = 1 + config.num_speculative_tokens
     if slot_bytes:
@@ -75,8 +77,8 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int) -> CacheLayout:
                          "more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)")
     layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget)
     logger.info("cache: %d MLA blocks x %d tokens (%.1f KiB each, %d bytes/token), %d KDA state slots "
-                "(%.2f MiB each, %s state); budget %.1f MiB, activation peak %.1f MiB",
+                "(%.2f MiB each, %s state); budget %.1f MiB, activation peak %.1f MiB, CUDA graphs %.1f MiB",
                 blocks, cc.block_size, block_bytes / 1024, block_bytes // max(cc.block_size, 1), slots,
                 slot_bytes / 2**20, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / 2**20,
-                activation_peak_bytes / 2**20)
+                activation_peak_bytes / 2**20, graph_bytes / 2**20)
     return layout

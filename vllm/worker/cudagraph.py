@@ -37,14 +37,18 @@ def capture_sizes(config: CompilationConfig, max_num_seqs: int, max_num_batched_
 
     With K drafts a verify row has 1+K tokens, so sizes are rounded up to multiples of 1+K: a pure verify batch
     then fills a graph without padding rows. A decode batch never has more than max_num_seqs * (1+K) tokens nor
-    more than the token budget, so larger graphs would never replay.
+    more than the token budget, so larger graphs would never replay, and the default sizes reach exactly that.
     """
     sizes = config.cudagraph_capture_sizes
-    if sizes is None:
-        limit = config.max_cudagraph_capture_size
-        sizes = [n for n in (1, 2, 4) if n <= limit] + list(range(8, limit + 1, 8))
     step = 1 + num_speculative_tokens
     cap = min(max_num_batched_tokens, max_num_seqs * step)
+    if sizes is None:
+        limit = config.max_cudagraph_capture_size or cap  # default: every full decode batch has a graph
+        # Finer steps where padding costs most (small batches), as upstream: 8 up to 256, then 16, then 32.
+        sizes = [n for n in (1, 2, 4) if n <= limit] + [n for n in (*range(8, 257, 8), *range(272, 513, 16),
+                                                                     *range(544, limit + 1, 32)) if n <= limit]
+        if config.max_cudagraph_capture_size is None and sizes[-1] < limit:
+            sizes.append(limit)  # the largest decode batch there can be
     return sorted({n for n in (-(-n // step) * step for n in sizes) if n <= cap})
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,12 @@ from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGra
 from vllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+# The graph pool measured on the largest graph, with room for the other graphs' executable state.
+GRAPH_MEMORY_MARGIN = 1.2
+GRAPH_MEMORY_SLACK_BYTES = 64 << 20
+# Default graphs only for MoEs this narrow: in a graph every expert runs on every token (moe.py).
+EVERY_EXPERT_GRAPH_LIMIT = 64
 
 
 # (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run)
@@ -95,7 +102,16 @@ class ModelRunner:
 
     def _cudagraph_mode(self) -> CUDAGraphMode:
         """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
-        requested = CUDAGraphMode(self.config.compilation_config.resolved_mode(self.device))
+        cc = self.config.compilation_config
+        requested = CUDAGraphMode(cc.resolved_mode(self.device))
+        experts = self.hf_config.num_experts if self.hf_config.moe_layer_freq and self.hf_config.num_experts else 0
+        if cc.cudagraph_mode is None and requested is not CUDAGraphMode.NONE and experts > EVERY_EXPERT_GRAPH_LIMIT:
+            # Inside a graph the MoE runs every expert on every token (routing cannot reach the host there): fine
+            # for tens of experts, far too slow for hundreds. Asked for explicitly, graphs are still captured.
+            logger.warning("CUDA graphs off by default: the MoE has %d experts and its graph path computes all of "
+                           "them per token; ask for them with --compilation-config '{\"cudagraph_mode\": "
+                           "\"FULL_DECODE_ONLY\"}'", experts)
+            return CUDAGraphMode.NONE
         if requested is CUDAGraphMode.FULL and self.kda_builder is not None:
             # The KDA prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a
             # prompt chunk cannot replay; decode and verify batches still can.
@@ -110,53 +126,87 @@ class ModelRunner:
         return mode
 
     def initialize_cache(self) -> KVCacheManager:
-        """Sizes and allocates the cache pools after a profile run, binds them, returns their manager."""
+        """Sizes and allocates the cache pools after a profile run (and, with CUDA graphs, a trial capture that
+        measures their memory pool), binds them, captures the graphs, returns the pools' manager."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
-        self.layout = plan_cache(self.config, self._profile_peak_bytes())
+        max_blocks = -(-sc.max_model_len // self.block_size)
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
+                                      self.device, slots_per_request=1 + self.num_spec)
+        descs = self._graph_descriptors()
+        peak = self._profile_peak_bytes()
+        graph_bytes = self._measure_graph_bytes(descs[0]) if descs else 0
+        self.layout = plan_cache(self.config, peak, graph_bytes)
         lay = self.layout
         caches = allocate_layer_caches(self.hf_config, lay.num_blocks, self.block_size, lay.num_state_slots,
                                        self.dtype, cc.mamba_ssm_cache_dtype, self.device, self.conv_history_major)
         self.model.bind_caches(caches)
-        max_blocks = -(-sc.max_model_len // self.block_size)
-        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
-                                      self.device, slots_per_request=1 + self.num_spec)
         kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
                             needs_blocks=bool(self.hf_config.mla_layers),
                             needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
-        self._capture_cudagraphs()
+        if descs:
+            self._capture_cudagraphs(descs, graph_bytes)
         return kv
 
-    @torch.inference_mode()
-    def _capture_cudagraphs(self) -> None:
-        """Captures one graph per descriptor, largest first so smaller ones reuse its memory pool."""
+    def _graph_descriptors(self) -> list[BatchDescriptor]:
+        """The graphs to capture, largest first (smaller ones then reuse its memory pool)."""
         sc = self.config.scheduler_config
         sizes = capture_sizes(self.config.compilation_config, sc.max_num_seqs, sc.max_num_batched_tokens,
                               self.num_spec)
         descs = capture_descriptors(sizes, sc.max_num_seqs, self.num_spec, self.cudagraph_mode)
-        if not descs:
-            return
+        return sorted(descs, key=lambda d: (-d.num_tokens, -d.num_reqs))
+
+    @torch.inference_mode()
+    def _measure_graph_bytes(self, largest: BatchDescriptor) -> int:
+        """Device memory the graphs will hold, measured before the cache is sized: the largest graph captured over
+        scratch caches of one block and the null slot (all a capture touches), then released. Smaller graphs
+        share its pool; a margin covers their own executable state. 0 off CUDA."""
+        if self.device.type != "cuda":
+            return 0
+        cc = self.config.cache_config
+        scratch = allocate_layer_caches(self.hf_config, 1, self.block_size, 1, self.dtype, cc.mamba_ssm_cache_dtype,
+                                        self.device, self.conv_history_major)
+        self.model.bind_caches(scratch)
+        torch.cuda.synchronize(self.device)
+        free_before = self._free_device_bytes()
+        trial = CUDAGraphRunner(self.device)
+        self._capture_one(trial, largest)
+        torch.cuda.synchronize(self.device)
+        used = free_before - self._free_device_bytes()
+        del trial, scratch
+        torch.cuda.empty_cache()
+        return int(used * GRAPH_MEMORY_MARGIN) + GRAPH_MEMORY_SLACK_BYTES
+
+    def _capture_one(self, graphs: CUDAGraphRunner, desc: BatchDescriptor) -> None:
+        sc = self.config.scheduler_config
+        n, T = desc.num_reqs, desc.num_tokens
+        max_q = desc.max_query_len or T
+        self.input_batch.fill_for_capture(n, T, max_q)
+        common = self.input_batch.graph_metadata(n, T, max_q, sc.max_model_len)
+        # Metadata is built inside the capture: its device-side work then reruns on every replay against the
+        # refilled buffers, and its host-side choices are fixed by the descriptor.
+        try:
+            graphs.capture(desc, functools.partial(self._forward, T, common))
+        except Exception as e:  # a kernel that syncs with the host, or glue refusing the capture's dummies
+            raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({type(e).__name__}: {e}); backends: "
+                               f"{self.backend_names}; run with --enforce-eager or "
+                               '--compilation-config \'{"cudagraph_mode": "NONE"}\'') from e
+
+    @torch.inference_mode()
+    def _capture_cudagraphs(self, descs: list[BatchDescriptor], reserved_bytes: int) -> None:
+        """Captures one graph per descriptor, largest first, over the real pools."""
         self.dispatcher = CudaGraphDispatcher(descs)
         self.graphs = CUDAGraphRunner(self.device)
-        batch = self.input_batch
         free_before = self._free_device_bytes()
-        for desc in tqdm(sorted(descs, key=lambda d: -d.num_tokens), desc="Capturing CUDA graphs"):
-            n, T = desc.num_reqs, desc.num_tokens
-            max_q = desc.max_query_len or T
-            batch.fill_for_capture(n, T, max_q)
-            common = batch.graph_metadata(n, T, max_q, sc.max_model_len)
-            # Metadata is built inside the capture: its device-side work then reruns on every replay
-            # against the refilled buffers, and its host-side choices are fixed by the descriptor.
-            try:
-                self.graphs.capture(desc, functools.partial(self._forward, T, common))
-            except Exception as e:  # a kernel that syncs with the host, or glue refusing the capture's dummies
-                raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({type(e).__name__}: {e}); backends: "
-                                   f"{self.backend_names}; run with --enforce-eager or "
-                                   '--compilation-config \'{"cudagraph_mode": "NONE"}\'') from e
-        # Cache sizing does not count the graphs' memory pool yet (docs/spec_decode.md): say what it took.
-        free_after = self._free_device_bytes()
-        logger.info("captured %d CUDA graphs (%s), %d..%d tokens, %.1f MiB; %.1f MiB of device memory left free",
-                    len(descs), self.cudagraph_mode.value, min(sizes), max(sizes),
-                    (free_before - free_after) / 2**20, free_after / 2**20)
+        start = time.monotonic()
+        for desc in tqdm(descs, desc="Capturing CUDA graphs"):
+            self._capture_one(self.graphs, desc)
+        used = free_before - self._free_device_bytes()
+        logger.info("captured %d CUDA graphs (%s), %d..%d tokens, in %.1f s: %.1f MiB (%.1f MiB were set aside "
+                    "when the cache was sized)", len(descs), self.cudagraph_mode.value, descs[-1].num_tokens,
+                    descs[0].num_tokens, time.monotonic() - start, used / 2**20, reserved_bytes / 2**20)
+        if used > reserved_bytes > 0:
+            logger.warning("the CUDA graphs took %.1f MiB more than was set aside for them; lower "
+                           "--gpu-memory-utilization if memory runs short", (used - reserved_bytes) / 2**20)
 
     def _free_device_bytes(self) -> int:
         """Free device memory; 0 off CUDA (where the worker tests stand a rerun in for capture)."""
