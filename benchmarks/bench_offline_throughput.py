@@ -14,7 +14,7 @@ engines; tokens/s counts output tokens over the whole call (prefill included), f
 transformers runs its plain torch KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks
 (fla-core kernels if importable), recorded in the JSON. `--engines` picks among `ours` (the engine's defaults:
 CUDA graphs on CUDA), `ours_eager` (--enforce-eager) and `hf`. `--ttft-lens`: one request of each length with
-max_tokens=1 through our default engine (its default token budget, so long prompts run in chunks) against
+max_tokens=1 through our engine (its default token budget, so long prompts run in chunks) against
 transformers' forward on the same prompt (no cache, logits for the last token only), medians of --repeats.
 Writes JSON (raw per-repeat times) and a bar-chart PNG.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # start-up lines
     set_threads(args.threads)
     meta = metadata(args.device)  # at the start: the commit that was measured, not whatever landed meanwhile
     engines = args.engines.split(",")
@@ -194,8 +196,9 @@ def main() -> None:
     torch.cuda.empty_cache() if args.device == "cuda" else None
     ttft_rows = []
     if ttft_lens:
+        # Eager: a max_tokens=1 request never decodes, so graphs would only add their capture to the start-up.
         llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory_bytes=kv_bytes,
-                  max_model_len=max(ttft_lens) + 8)
+                  max_model_len=max(ttft_lens) + 8, enforce_eager=True)
         one = SamplingParams(temperature=0.0, max_tokens=1)
         for n in ttft_lens:
             ids = torch.randint(3, cfg["vocab_size"], (1, n), generator=gen)

@@ -123,6 +123,9 @@ class CUDAGraphRunner:
         self.device = torch.device(device)
         with torch.cuda.device(self.device):
             self.pool = torch.cuda.graph_pool_handle()
+            # One side stream for every warm-up: the caching allocator keeps freed blocks per stream, so a new
+            # stream per capture would leave each warm-up's blocks behind, unusable by the next.
+            self.side = torch.cuda.Stream()
         self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self, desc: BatchDescriptor, fn: Callable[[], torch.Tensor], warmup: int = 1) -> None:
@@ -134,8 +137,7 @@ class CUDAGraphRunner:
         workspaces) happens outside the capture; torch wants it on a side stream.
         """
         with torch.cuda.device(self.device):
-            main = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
+            main, side = torch.cuda.current_stream(), self.side
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for _ in range(warmup):
