@@ -2,23 +2,36 @@
 
     python benchmarks/bench_host_overhead.py --device cpu --out benchmarks/results/cpu/host_overhead_cpu.json
     python benchmarks/bench_host_overhead.py --device cuda --out benchmarks/results/gpu/host_overhead_cuda.json
+    python benchmarks/bench_host_overhead.py --num-running 16,64,256 --context-lens 4096,32768 --stub-model \
+        --penalty --out benchmarks/results/cpu/host_overhead_long_cpu.json
 
-For each N, N requests (short random prompts, ignore_eos, max_tokens up to max_model_len) are added to one
+For each N, N requests (random prompts, ignore_eos, enough max_tokens for the timed steps) are added to one
 LLMEngine and stepped until all decode; then `--iters` real `engine.step()` calls are timed. The engine runs
 unmodified: `Scheduler.schedule`, `InputBatch.prepare` and `ModelRunner._attn_metadata` (plus the engine's
 sampling-metadata build, reported apart) are wrapped on the instances with perf_counter, so "host prep" is the
 host time of exactly those calls inside real steps, without the forward. The full step (forward, sampling,
 output processing) is timed too for context. Host times are not synchronized with the GPU: they are what the
 CPU spends before the forward can be issued. Writes JSON (raw per-step timings) and a PNG next to it.
+
+Long contexts: `--context-lens` gives each request a prompt of that many tokens (past the built-in model's
+4096-token limit a tiny random K3 that takes them is written to a temp dir). `--stub-model` replaces the
+model's forward by zeros of the right shape, so prefilling 256 x 32K tokens takes seconds, not hours, and the
+timed steps measure the host alone (the engine's own code is unchanged). `--penalty` gives every request a
+repetition penalty (the sampler's per-request context then matters). Requests take FINAL_ONLY outputs, as
+LLM.generate does; the output processor's time is reported as "outputs", the sampler's (penalties, filters,
+the draw) as "sample".
 """
 from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -27,9 +40,11 @@ from bench_common import metadata, set_threads, stats, write_json
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
-from vllm.sampling_params import SamplingParams
+from vllm.model_executor.model_loader import load_config
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.tools.make_tiny_model import write_tiny_model
 
-PARTS = ("schedule", "prepare", "attn_metadata", "sampling_metadata")
+PARTS = ("schedule", "prepare", "attn_metadata", "sampling_metadata", "sample", "outputs")
 
 
 class StepTimer:
@@ -58,14 +73,17 @@ class StepTimer:
         self.last_sched = None
 
 
-def measure(engine: LLMEngine, timer: StepTimer, n: int, args) -> dict:
+def measure(engine: LLMEngine, timer: StepTimer, n: int, context: int, args) -> dict:
     rng = random.Random(n)
     vocab = engine.vocab_size
-    max_tokens = args.max_model_len - args.prompt_len
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    max_tokens = engine.config.scheduler_config.max_model_len - context  # outlives the staggered prefill
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            repetition_penalty=1.1 if args.penalty else 1.0, output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(n):
-        engine.add_request(f"n{n}-{i}", [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
-    for _ in range(1 + args.warmup):  # one prefill step (the whole batch fits the token budget), then warm-up
+        engine.add_request(f"n{n}-{i}", [rng.randrange(3, vocab) for _ in range(context)], params)
+    while any(r.is_prefilling or r.status.value == "waiting" for r in engine.scheduler.requests.values()):
+        engine.step()  # the prefill, in as many steps as the token budget takes
+    for _ in range(args.warmup):
         engine.step()
     raw = {k: [] for k in (*PARTS, "host_prep", "step")}
     for _ in range(args.iters):
@@ -82,38 +100,28 @@ def measure(engine: LLMEngine, timer: StepTimer, n: int, args) -> dict:
             xs.append(round(timer.t[k] * 1e6, 2))
     engine.abort_request([f"n{n}-{i}" for i in range(n)])
     assert not engine.has_unfinished_requests()
-    return {"num_running": n, "us": {k: stats(v) for k, v in raw.items()}, "raw_us": raw}
+    return {"num_running": n, "context_len": context, "us": {k: stats(v) for k, v in raw.items()}, "raw_us": raw}
 
 
 def plot(results: list[dict], meta: dict, png: str) -> None:
-    ns = [r["num_running"] for r in results]
+    contexts = sorted({r["context_len"] for r in results})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.6))
-    for key, label, style in (("host_prep", "host prep total (schedule + prepare + attn meta)", "o-"),
-                              ("schedule", "Scheduler.schedule", "s--"), ("prepare", "InputBatch.prepare", "^--"),
-                              ("attn_metadata", "attention metadata build", "v--"),
-                              ("sampling_metadata", "sampling metadata (not in total)", "x:")):
-        med = [r["us"][key]["median"] for r in results]
-        p90 = [r["us"][key]["p90"] for r in results]
-        line, = ax1.plot(ns, med, style, label=label)
-        if key == "host_prep":
-            ax1.fill_between(ns, med, p90, color=line.get_color(), alpha=0.2, label="host prep median..p90")
-    ax1.axhline(1000, color="red", lw=0.8, ls=":", label="1 ms (DESIGN.md target: well under)")
+    for c in contexts:
+        rows = [r for r in results if r["context_len"] == c]
+        ns = [r["num_running"] for r in rows]
+        ax1.plot(ns, [r["us"]["host_prep"]["median"] for r in rows], "o-", label=f"host prep, context {c}")
+        ax2.plot(ns, [r["us"]["step"]["median"] / 1e3 for r in rows], "o-", label=f"full step, context {c}")
+    rows = [r for r in results if r["context_len"] == contexts[-1]]
+    ns = [r["num_running"] for r in rows]
+    for key, style in (("schedule", "s--"), ("prepare", "^--"), ("attn_metadata", "v--"),
+                       ("sampling_metadata", "x:"), ("outputs", "d:")):
+        ax1.plot(ns, [r["us"][key]["median"] for r in rows], style, label=f"{key}, context {contexts[-1]}")
+    ax1.axhline(1000, color="red", lw=0.8, ls=":", label="1 ms")
     ax1.set(xscale="log", yscale="log", xlabel="running decode requests", ylabel="host time per step (us)",
-            title="Host step preparation (median)")
-    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
-    step = [r["us"]["step"]["median"] / 1e3 for r in results]
-    share = [100 * r["us"]["host_prep"]["median"] / r["us"]["step"]["median"] for r in results]
-    ax2.plot(ns, step, "o-", color="black", label="full engine.step (median)")
-    ax2.set(xscale="log", xlabel="running decode requests", ylabel="full step time (ms)",
-            title="Full step and host-prep share")
-    ax3 = ax2.twinx()
-    ax3.plot(ns, share, "s--", color="tab:orange", label="host prep share of step (%)")
-    ax3.set(ylabel="host prep / step (%)", ylim=(0, 1.2 * max(share)))
-    lines = ax2.get_lines() + ax3.get_lines()
-    ax2.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15),
-               ncol=2)
+            title="Host step preparation (median; host prep = schedule + prepare + attn metadata)")
+    ax2.set(xscale="log", xlabel="running decode requests", ylabel="full step time (ms)", title="Full engine.step")
     for ax in (ax1, ax2):
-        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{meta['device_name']} ({meta['device']}), commit {meta['git_commit'][:12]}", fontsize=9)
     fig.tight_layout()
@@ -128,8 +136,9 @@ def main() -> None:
     ap.add_argument("--num-running", default="1,4,16,64,128,256", help="comma-separated request counts")
     ap.add_argument("--iters", type=int, default=200, help="timed steps per count")
     ap.add_argument("--warmup", type=int, default=10, help="untimed decode steps per count")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--context-lens", default="16", help="comma-separated prompt (context) lengths")
+    ap.add_argument("--stub-model", action="store_true", help="zeros instead of the model's forward (host only)")
+    ap.add_argument("--penalty", action="store_true", help="every request uses repetition_penalty=1.1")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="default: 512 MiB on CPU")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default); see "
@@ -139,28 +148,46 @@ def main() -> None:
     set_threads(args.threads)
     meta = metadata(args.device)  # at the start: the commit that was measured, not whatever landed meanwhile
     counts = [int(x) for x in args.num_running.split(",")]
-    if 1 + args.warmup + args.iters >= args.max_model_len - args.prompt_len:
-        raise SystemExit("--warmup + --iters must stay below --max-model-len - --prompt-len (requests would end)")
-    kv_bytes = args.kv_cache_memory_bytes or (512 << 20 if args.device == "cpu" else None)
-    engine_args = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(counts),
-                             max_num_batched_tokens=8192, max_model_len=args.max_model_len,
+    contexts = [int(x) for x in args.context_lens.split(",")]
+    # Requests that finish their prefill first decode while the others prefill: room for all those tokens.
+    max_model_len = max(contexts) + -(-max(counts) * max(contexts) // 8192) + args.warmup + args.iters + 16
+    # On CPU, room for every request's whole context (the tiny models' latent cache takes 320 bytes a token).
+    kv_bytes = args.kv_cache_memory_bytes or (max(512 << 20, max(counts) * max_model_len * 1024)
+                                              if args.device == "cpu" else None)
+    model = args.model
+    if max_model_len > load_config(model).max_position_embeddings:  # a tiny K3 that takes such contexts
+        model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench_host_")), "k3",
+                                 max_position_embeddings=max_model_len)
+    engine_args = EngineArgs(model=model, tokenizer=str(DEFAULT_MODEL_DIR), device=args.device, dtype=args.dtype,
+                             max_num_seqs=max(counts),
+                             max_num_batched_tokens=8192, max_model_len=max_model_len,
                              kv_cache_memory_bytes=kv_bytes, enforce_eager=args.enforce_eager)
     engine = LLMEngine.from_engine_args(engine_args)
+    if args.stub_model:
+        hidden = engine.config.model_config.hf_config.hidden_size
+        runner = engine.runner
+        runner.model.forward = lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden, dtype=runner.dtype,
+                                                                        device=runner.device)
     timer = StepTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.input_batch, "prepare", "prepare")
     timer.wrap(engine.runner, "_attn_metadata", "attn_metadata")
     timer.wrap(engine, "_sampling_metadata", "sampling_metadata")
+    timer.wrap(engine.output_processor, "process", "outputs")
+    timer.wrap(engine.runner, "sampler", "sample")
     results = []
-    print(f"{'N':>5} {'host prep med':>14} {'p90':>9} {'schedule':>9} {'prepare':>9} {'attn md':>8} "
-          f"{'sampl md':>9} {'step med':>10}   (us)")
-    for n in counts:
-        r = measure(engine, timer, n, args)
-        results.append(r)
-        u = r["us"]
-        print(f"{n:>5} {u['host_prep']['median']:>14.1f} {u['host_prep']['p90']:>9.1f} "
-              f"{u['schedule']['median']:>9.1f} {u['prepare']['median']:>9.1f} {u['attn_metadata']['median']:>8.1f} "
-              f"{u['sampling_metadata']['median']:>9.1f} {u['step']['median']:>10.1f}", flush=True)
+    print(f"{'N':>5} x {'ctx':>6} {'host prep med':>14} {'p90':>9} {'schedule':>9} {'prepare':>9} {'attn md':>8} "
+          f"{'sampl md':>9} {'sample':>8} {'outputs':>8} {'step med':>10}   (us)")
+    for context in contexts:
+        for n in counts:
+            r = measure(engine, timer, n, context, args)
+            results.append(r)
+            u = r["us"]
+            print(f"{n:>5} x {context:>6} {u['host_prep']['median']:>14.1f} {u['host_prep']['p90']:>9.1f} "
+                  f"{u['schedule']['median']:>9.1f} {u['prepare']['median']:>9.1f} "
+                  f"{u['attn_metadata']['median']:>8.1f} {u['sampling_metadata']['median']:>9.1f} "
+                  f"{u['sample']['median']:>8.1f} {u['outputs']['median']:>8.1f} {u['step']['median']:>10.1f}",
+                  flush=True)
     config = {**vars(args), "engine_args": vars(engine_args), "dtype_resolved": str(engine.config.model_config.dtype)}
     path = write_json(args.out, {**meta, "benchmark": "host_overhead", "config": config, "results": results})
     plot(results, meta, str(path.with_suffix(".png")))

@@ -309,3 +309,20 @@ def test_a_corrupt_tokenizer_names_its_files(tmp_path):
     from vllm.transformers_utils.tokenizer import get_tokenizer
     with pytest.raises(ValueError, match=f"the tokenizer in {re.escape(str(tmp_path))} \\(tokenizer.json"):
         get_tokenizer(tmp_path)
+
+
+def test_penalised_greedy_is_batch_and_preemption_invariant(make_llm):
+    """Penalties read the engine's device-side token counts, updated step by step: a penalised request gives the
+    same tokens alone, beside unpenalised ones, and when preemption makes it recompute (the penalty math itself
+    is tested against hand-computed logits in tests/sample/test_sampler.py)."""
+    batch = prompts([9, 30, 17, 5])
+    pen = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8,
+                          presence_penalty=0.5, frequency_penalty=0.3), GREEDY] * 2
+    llm = make_llm()
+    alone = [token_ids(llm.generate([p], s, use_tqdm=False))[0] for p, s in zip(batch, pen)]
+    assert llm.llm_engine.penalties.output_counts.shape[0] > 0, "the penalised rows went through the store"
+    assert token_ids(llm.generate(batch, pen, use_tqdm=False)) == alone
+    tiny = make_llm(num_gpu_blocks_override=5, max_model_len=64, max_num_batched_tokens=32)
+    outs = tiny.generate(batch, pen, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0 and token_ids(outs) == alone
+    assert not tiny.llm_engine.penalties.rows, "rows of finished requests are freed"

@@ -13,8 +13,7 @@ rs = RejectionSampler()
 
 
 def sampling_for(params, generators=None) -> SamplingMetadata:
-    rows = [[] for _ in params]
-    return SamplingMetadata.from_requests(params, generators or [None] * len(params), rows, rows, rows, "cpu")
+    return SamplingMetadata.from_requests(params, generators or [None] * len(params), [[] for _ in params], "cpu")
 
 
 def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:

@@ -1,9 +1,12 @@
 """Sampler: filters against independently computed allowed sets, distributions, seeding, penalties, logprobs."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from vllm.sample.penalties import PenaltyCounts
 from vllm.sample.sampler import Sampler, SamplingMetadata, apply_penalties, gather_logprobs
 from vllm.sampling_params import SamplingParams
 
@@ -12,9 +15,12 @@ sampler = Sampler()
 
 
 def meta_for(params, generators=None, prompt=None, output=None, banned=None) -> SamplingMetadata:
+    """Penalty counts come from a fresh device-side store, as the engine's do."""
     rows = [[] for _ in params]
-    return SamplingMetadata.from_requests(params, generators or [None] * len(params), prompt or rows,
-                                          output or rows, banned or rows, "cpu")
+    history = [SimpleNamespace(request_id=str(i), prompt_token_ids=p, output_token_ids=o)
+               for i, (p, o) in enumerate(zip(prompt or rows, output or rows))]
+    return SamplingMetadata.from_requests(params, generators or [None] * len(params), banned or rows, "cpu",
+                                          PenaltyCounts(V, "cpu").gather(history))
 
 
 def draw(logits_row: torch.Tensor, params: SamplingParams, n: int, **rows) -> torch.Tensor:
@@ -265,3 +271,26 @@ def test_from_requests_builds_columns_and_flags():
         True, True, True, None)
     with pytest.raises(ValueError, match="generators has 1 rows"):
         meta_for(params, generators=[None])
+
+
+def test_penalty_counts_follow_new_tokens_and_reuse_rows():
+    """The store counts each request's prompt once and then only the tokens added since the last step; a
+    finished request's row goes to the next one, reset."""
+    store = PenaltyCounts(V, "cpu")
+    a = SimpleNamespace(request_id="a", prompt_token_ids=[1, 2, 2], output_token_ids=[3])
+    b = SimpleNamespace(request_id="b", prompt_token_ids=[], output_token_ids=[])
+    counts, seen = store.gather([a, b])
+    assert counts[0, 3] == 1 and counts.sum() == 1 and seen[0].nonzero().flatten().tolist() == [1, 2]
+    assert not seen[1].any()
+    a.output_token_ids += [3, 7]
+    b.output_token_ids += [5]
+    counts, _ = store.gather([b, a])  # any order: rows follow the requests
+    assert counts[1, 3] == 2 and counts[1, 7] == 1 and counts[0, 5] == 1 and counts.sum() == 4
+    row_a = store.rows["a"]
+    store.prune({"b"})
+    c = SimpleNamespace(request_id="c", prompt_token_ids=[9], output_token_ids=[])
+    counts, seen = store.gather([c])
+    assert store.rows["c"] == row_a and counts.sum() == 0 and seen[0].nonzero().flatten().tolist() == [9]
+    for i in range(20):  # more requests than rows: the store grows
+        store.gather([SimpleNamespace(request_id=f"x{i}", prompt_token_ids=[i], output_token_ids=[i])])
+    assert len(store.rows) == 22 and store.output_counts.shape[0] >= 22

@@ -27,6 +27,10 @@ class KVCacheManager:
         self.free_slots: list[int] = list(range(NULL_STATE_SLOT + 1, num_state_slots))[::-1]
         self.req_blocks: dict[str, list[int]] = {}
         self.req_slots: dict[str, list[int]] = {}
+        # A fresh number each time a request's block list starts over (first allocation, or after a free): its
+        # (request id, number) names one append-only list, which lets the input batch write only new entries.
+        self.block_list_ids: dict[str, int] = {}
+        self._next_list_id = 0
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         if not self.needs_blocks:
@@ -44,6 +48,9 @@ class KVCacheManager:
         if n > self.block_pool.num_free:
             return False
         if n:
+            if rid not in self.req_blocks:
+                self._next_list_id += 1
+                self.block_list_ids[rid] = self._next_list_id
             self.req_blocks.setdefault(rid, []).extend(self.block_pool.allocate(n))
         if need_slot:
             self.req_slots[rid] = [self.free_slots.pop() for _ in range(self.slots_per_request)]
@@ -51,10 +58,15 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.block_pool.free(self.req_blocks.pop(request.request_id, []))
+        self.block_list_ids.pop(request.request_id, None)
         self.free_slots.extend(self.req_slots.pop(request.request_id, []))
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def block_list_id(self, request_id: str) -> int:
+        """Which block list the request holds now (0: none); its entries only ever grow at the end."""
+        return self.block_list_ids.get(request_id, 0)
 
     def state_slots(self, request_id: str) -> list[int]:
         """The request's checkpoint slots (column 0 first), or the null slot for each column if it has none."""

@@ -17,6 +17,7 @@ from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.outputs import RequestOutput
+from vllm.sample.penalties import PenaltyCounts
 from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
@@ -47,6 +48,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.vocab_size = mc.hf_config.vocab_size
+        self.penalties = PenaltyCounts(self.vocab_size, mc.device)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -135,8 +137,7 @@ class LLMEngine:
         """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans or
         logprobs: requests asking for those decode one token per step."""
         return self.proposer is not None and params.logprobs is None and params.prompt_logprobs is None \
-            and params.min_tokens == 0 and params.presence_penalty == 0 and params.frequency_penalty == 0 \
-            and params.repetition_penalty == 1
+            and params.min_tokens == 0 and not _has_penalty(params)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -217,5 +218,22 @@ class LLMEngine:
         banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
                   if len(r.output_token_ids) < r.sampling_params.min_tokens else [] for r in reqs]
         return SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
-                                              [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-                                              banned, self.config.model_config.device)
+                                              banned, self.config.model_config.device, self._penalty_counts(reqs))
+
+    def _penalty_counts(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The penalised rows' device-side token counts (zero rows for the others), None if no row has one."""
+        used = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
+        if self.penalties.rows:
+            self.penalties.prune(self.scheduler.requests)
+        if not used:
+            return None
+        counts, seen = self.penalties.gather([reqs[i] for i in used])
+        if len(used) == len(reqs):
+            return counts, seen
+        index = torch.tensor(used, device=counts.device)
+        return (counts.new_zeros(len(reqs), counts.shape[1]).index_copy_(0, index, counts),
+                seen.new_zeros(len(reqs), seen.shape[1]).index_copy_(0, index, seen))
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.utils import async_tensor_h2d
+
+_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -22,8 +25,10 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor  # [B] float32
     repetition_penalty: torch.Tensor  # [B] float32; 1: off
     generators: list[torch.Generator | None]  # a seeded row's own generator, on the logits' device
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]  # generated before this step
+    # Penalties (None when no row has one): each row's output-token counts [B, V] float32 and prompt-token
+    # marks [B, V] bool, from the engine's device-side store (sample/penalties.py).
+    output_counts: torch.Tensor | None
+    prompt_seen: torch.Tensor | None
     banned_token_ids: list[list[int]]  # e.g. stop/eos ids while below min_tokens
     max_num_logprobs: int | None  # None: no row wants logprobs
     # Host-side flags let a step skip whole passes without reading the device tensors back. The defaults are
@@ -35,35 +40,40 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-                      prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                      banned_token_ids: list[list[int]], device: torch.device | str) -> SamplingMetadata:
-        rows = {"generators": generators, "prompt_token_ids": prompt_token_ids,
-                "output_token_ids": output_token_ids, "banned_token_ids": banned_token_ids}
+                      banned_token_ids: list[list[int]], device: torch.device | str,
+                      penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingMetadata:
+        """`penalty_counts`: (output counts, prompt marks) for the rows, needed when any row has a penalty."""
+        rows = {"generators": generators, "banned_token_ids": banned_token_ids}
         for name, value in rows.items():
             if len(value) != len(params):
                 raise ValueError(f"{name} has {len(value)} rows but there are {len(params)} SamplingParams; "
                                  "pass one entry per sampling request, in the same order")
+        no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+                           for p in params)
+        if not no_penalties and penalty_counts is None:
+            raise ValueError("a row has a penalty: pass its token counts (penalty_counts, see sample/penalties.py)")
 
-        def column(attr: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, attr) for p in params], dtype=dtype, device=device)
-
+        # One queued upload for every column (separate torch.tensor(..., device=cuda) calls each block the host
+        # until the GPU catches up). top_k rides as float32: exact, since it is clamped to the vocabulary.
+        columns = async_tensor_h2d([[getattr(p, attr) for attr in _COLUMNS] for p in params], torch.float32,
+                                   device).view(len(params), len(_COLUMNS)).t()
+        col = dict(zip(_COLUMNS, columns))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=column("temperature", torch.float32),
-            top_k=column("top_k", torch.int64),
-            top_p=column("top_p", torch.float32),
-            min_p=column("min_p", torch.float32),
-            presence_penalty=column("presence_penalty", torch.float32),
-            frequency_penalty=column("frequency_penalty", torch.float32),
-            repetition_penalty=column("repetition_penalty", torch.float32),
+            temperature=col["temperature"],
+            top_k=col["top_k"].long(),
+            top_p=col["top_p"],
+            min_p=col["min_p"],
+            presence_penalty=col["presence_penalty"],
+            frequency_penalty=col["frequency_penalty"],
+            repetition_penalty=col["repetition_penalty"],
             generators=list(generators),
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
+            output_counts=None if no_penalties else penalty_counts[0],
+            prompt_seen=None if no_penalties else penalty_counts[1],
             banned_token_ids=banned_token_ids,
             max_num_logprobs=max(wanted) if wanted else None,
             all_greedy=all(p.greedy for p in params),
-            no_penalties=all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-                             for p in params),
+            no_penalties=no_penalties,
             no_min_p=all(p.min_p == 0 for p in params),
             no_top_k_top_p=all(p.top_k == 0 and p.top_p == 1 for p in params),
         )
@@ -107,8 +117,8 @@ def token_counts(rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
     num_rows, vocab_size = logits.shape
     width = max(map(len, rows), default=0)
     # Padding with an id one past the vocab lands in a spare column that is cut off, so ragged rows need no mask.
-    ids = torch.tensor([list(r) + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64,
-                       device=logits.device).view(num_rows, width)
+    ids = async_tensor_h2d([list(r) + [vocab_size] * (width - len(r)) for r in rows], torch.int64,
+                           logits.device).view(num_rows, width)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
@@ -116,9 +126,9 @@ def token_counts(rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition over prompt and output tokens, then presence and frequency over output tokens only."""
-    counts = token_counts(meta.output_token_ids, logits)
+    counts = meta.output_counts
     in_output = counts > 0
-    seen = in_output | (token_counts(meta.prompt_token_ids, logits) > 0)
+    seen = in_output | meta.prompt_seen
     rep = meta.repetition_penalty.unsqueeze(1)
     # Dividing a positive logit and multiplying a negative one both lower it when the penalty is > 1.
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)

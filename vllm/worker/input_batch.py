@@ -47,6 +47,11 @@ class InputBatch:
         self.num_accepted = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int32)  # host only: row tags
         self.block_table = CpuGpuBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
+        # Which block list each host row holds and how much of it is written: rows are rewritten only when the
+        # request (or its list, after a preemption) changes, else only its new blocks are appended.
+        self.row_lists: list[tuple[str, int] | None] = [None] * max_num_reqs
+        self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_width = 0  # columns of the device table the step's rows use
         self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
         self.is_prefilling_np = self.is_prefilling.numpy()
 
@@ -72,13 +77,21 @@ class InputBatch:
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
         positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
+        table, width = self.block_table.np, 0
         for r, s in enumerate(scheduled):
-            blocks = kv.block_ids(s.request.request_id)
-            self.block_table.np[r, :len(blocks)] = blocks
-            self.state_indices.np[r] = kv.state_slots(s.request.request_id)
+            rid = s.request.request_id
+            blocks = kv.block_ids(rid)
+            key = (rid, kv.block_list_id(rid))
+            start = self.row_blocks[r] if self.row_lists[r] == key else 0
+            if len(blocks) > start:
+                table[r, start:len(blocks)] = blocks[start:]
+            self.row_lists[r], self.row_blocks[r] = key, len(blocks)
+            width = max(width, len(blocks))
+            self.state_indices.np[r] = kv.state_slots(rid)
             self.num_accepted.np[r] = s.request.num_accepted_tokens
             self.num_draft_tokens[r] = s.num_draft_tokens
             self.is_prefilling_np[r] = s.is_prefilling
+        self.block_width = width
         if kv.needs_blocks:
             block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
             self.slot_mapping.np[:T] = block_ids * bs + positions % bs
@@ -93,8 +106,11 @@ class InputBatch:
         when speculating: nothing reads them otherwise)."""
         self.query_start_loc.copy_to_device(num_reqs + 1)
         spec_reqs, spec_tokens = ((self.num_accepted,), (self.draft_ids,)) if self.spec else ((), ())
-        for buf in (self.seq_lens, self.block_table, self.state_indices, *spec_reqs):
+        for buf in (self.seq_lens, self.state_indices, *spec_reqs):
             buf.copy_to_device(num_reqs)
+        # Only the columns some row uses: the rest of the device table is never read for these rows.
+        w = self.block_width
+        self.block_table.gpu[:num_reqs, :w].copy_(self.block_table.cpu[:num_reqs, :w], non_blocking=True)
         for buf in (self.input_ids, self.positions, self.slot_mapping, *spec_tokens):
             buf.copy_to_device(num_tokens)
 
@@ -130,6 +146,8 @@ class InputBatch:
         self.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(self.query_start_loc.np[:num_reqs], lens)
         self.slot_mapping.np[:num_tokens] = -1
         self.block_table.np[:num_reqs] = 0
+        self.row_lists[:num_reqs] = [None] * num_reqs  # the next step rewrites these rows
+        self.block_width = self.block_table.np.shape[1]
         self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
         self.num_accepted.np[:num_reqs] = 1
         self.is_prefilling_np[:num_reqs] = False

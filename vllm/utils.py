@@ -1,0 +1,22 @@
+"""Small helpers shared across layers (no imports from the rest of the package)."""
+from __future__ import annotations
+
+import torch
+
+
+def async_tensor_h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`data` (a list or numpy array) as a tensor on `device` without waiting for the device. A plain
+    torch.tensor(data, device=cuda) copies from pageable memory, which blocks the host until the GPU has run
+    everything queued before the copy; from pinned memory the copy is queued like a kernel. The pinned buffer
+    comes from torch's caching host allocator, which keeps it until the copy has run."""
+    device = torch.device(device)
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")  # a copy: the caller may reuse data
+    return host.to(device, non_blocking=True)
+
+
+def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t` queued on the current stream (pinned memory on CUDA): read it only after an event
+    recorded behind it has completed."""
+    if t.device.type != "cuda":
+        return t
+    return t.to("cpu", non_blocking=True)
