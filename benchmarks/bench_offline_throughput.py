@@ -13,7 +13,8 @@ eos_token_id=None for transformers). One warm-up each, then `--repeats` timed ru
 engines; tokens/s counts output tokens over the whole call (prefill included), from the median time. On CPU
 transformers runs its plain torch KDA (the tests/hf_oracle.py import trick); on CUDA it uses what it picks
 (fla-core kernels if importable), recorded in the JSON. `--engines` picks among `ours` (the engine's defaults:
-CUDA graphs on CUDA), `ours_eager` (--enforce-eager) and `hf`. `--ttft-lens`: one request of each length with
+CUDA graphs and async scheduling on CUDA), `ours_sync` (defaults but --no-async-scheduling), `ours_eager`
+(--enforce-eager) and `hf`. `--ttft-lens`: one request of each length with
 max_tokens=1 through our engine (its default token budget, so long prompts run in chunks) against
 transformers' forward on the same prompt (no cache, logits for the last token only), medians of --repeats.
 Writes JSON (raw per-repeat times) and a bar-chart PNG.
@@ -118,7 +119,8 @@ def plot(rows: list[dict], ttft: list[dict], engines: list[str], meta: dict, tit
     fig.savefig(png, dpi=120)
 
 
-LABELS = {"ours": "ours: LLM.generate (defaults)", "ours_eager": "ours: --enforce-eager",
+LABELS = {"ours": "ours: LLM.generate (defaults)", "ours_sync": "ours: --no-async-scheduling",
+          "ours_eager": "ours: --enforce-eager",
           "hf": "transformers generate"}
 
 
@@ -130,7 +132,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--engines", default="ours,hf", help="comma list of ours, ours_eager, hf")
+    ap.add_argument("--engines", default="ours,hf", help="comma list of ours, ours_sync, ours_eager, hf")
     ap.add_argument("--ttft-lens", default="", help="prompt lengths for time to first token (empty: none)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size and engine (after 1 warm-up)")
     ap.add_argument("--seed", type=int, default=0)
@@ -163,7 +165,8 @@ def main() -> None:
         if k != "hf":  # start-up (load, profile, graph capture) timed per engine
             t0 = time.perf_counter()
             llms[k] = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed,
-                          kv_cache_memory_bytes=kv_bytes, enforce_eager=k == "ours_eager", **decode_kw)
+                          kv_cache_memory_bytes=kv_bytes, enforce_eager=k == "ours_eager",
+                          async_scheduling=False if k == "ours_sync" else None, **decode_kw)
             startup_s[k] = time.perf_counter() - t0
             print(f"{k}: start-up {startup_s[k]:.1f} s", flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=O, ignore_eos=True)

@@ -62,6 +62,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
+    # Schedule and prepare step N+1 while the device runs step N (sampled tokens reach the host a step late).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "--max-num-seqs", self.max_num_seqs, "an integer >= 1")

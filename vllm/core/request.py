@@ -36,7 +36,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled (see Scheduler._scheduled)
+    # Tokens sampled by steps in flight, not yet in output_token_ids (async scheduling: at most one).
+    num_output_placeholders: int = 0
     # Tokens to prefill since the request was last (re)admitted: the prompt, or after a preemption by
     # recompute the prompt plus the outputs so far. A request is prefilling until they are all computed.
     num_prefill_tokens: int = 0
@@ -83,6 +85,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens_left(self) -> int:
+        """Tokens to compute before the request is up to date, counting those in flight as known."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:

@@ -30,6 +30,7 @@ from vllm.spec_decode.metrics import SpecDecodeStats
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for this request in this step, drafts included
+    num_computed_tokens: int  # the request's computed tokens before this step: where its row starts
     is_prefilling: bool  # request state: a prompt (or recompute) chunk, whatever its length
     samples: bool  # the step reaches the request's last known token, so a new token is sampled
     draft_token_ids: list[int] = field(default_factory=list)  # verified this step; -1 = placeholder
@@ -65,6 +66,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def has_suspect(self) -> bool:
+        return any(r.suspect for r in (*self.running, *self.waiting))
+
     def schedule(self) -> SchedulerOutput:
         suspect = next((r for r in (*self.running, *self.waiting) if r.suspect), None)
         if suspect is not None:
@@ -75,7 +80,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._finishes_in_flight(req):
+                i += 1
+                continue
+            n = min(req.num_scheduled_tokens_left, budget)
             drafts = self._drafts(req, n, budget)
             while not self.kv.allocate_slots(req, n + len(drafts)):
                 victim = self.running.pop()
@@ -91,6 +99,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted_ids:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a token still in flight: its prefill needs it
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, n):
                 break
@@ -101,10 +111,27 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n, []))
             budget -= n
-        out.scheduled = [ScheduledRequest(req, n + len(drafts), req.is_prefilling and not drafts,
-                                          req.num_computed_tokens + n == req.num_tokens, drafts)
-                         for req, n, drafts in scheduled]
+        out.scheduled = [self._scheduled(req, n, drafts) for req, n, drafts in scheduled]
         return out
+
+    @staticmethod
+    def _scheduled(req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
+        """The step's row for `req` (n known tokens plus drafts), and the request advanced past it at once, as
+        if the step had run: with async scheduling the next step is scheduled before this one's tokens are
+        back. A row that samples leaves an output placeholder until its token arrives (update_from_output);
+        rejected drafts are taken back there."""
+        samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders
+        row = ScheduledRequest(req, n + len(drafts), req.num_computed_tokens, req.is_prefilling and not drafts,
+                               samples, drafts)
+        req.num_computed_tokens += n + len(drafts)
+        req.num_output_placeholders += samples
+        return row
+
+    @staticmethod
+    def _finishes_in_flight(req: Request) -> bool:
+        """The tokens in flight reach max_tokens: the request ends when they arrive, so it gets no more steps."""
+        return req.num_output_placeholders > 0 and len(req.output_token_ids) + req.num_output_placeholders \
+            >= req.max_tokens
 
     def _schedule_alone(self, req: Request) -> SchedulerOutput:
         """A step with one suspect request (one that was in a failed step) and nothing else, so that if the step
@@ -126,8 +153,7 @@ class Scheduler:
             req.num_prefill_tokens = req.num_tokens
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             self.running.insert(0, req)
-        out.scheduled = [ScheduledRequest(req, n + len(drafts), req.is_prefilling and not drafts,
-                                          req.num_computed_tokens + n == req.num_tokens, drafts)]
+        out.scheduled = [self._scheduled(req, n, drafts)]
         return out
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
@@ -165,12 +191,14 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             req = s.request
-            if req.status.finished:  # aborted while the step ran
+            if req.status.finished:  # aborted, or stopped by the step before, while the step ran
                 continue
             tokens = sampled[req.request_id] if s.samples else []
             accepted = max(len(tokens) - 1, 0)
-            # Rejected drafts were computed but are not part of the sequence: the next step overwrites them.
-            req.num_computed_tokens += s.num_tokens - len(s.draft_token_ids) + accepted
+            req.num_output_placeholders -= s.samples
+            if req.status is RequestStatus.RUNNING:  # not preempted since: it still holds the step's cache
+                # Rejected drafts were computed but are not part of the sequence: the next step overwrites them.
+                req.num_computed_tokens -= len(s.draft_token_ids) - accepted
             req.num_accepted_tokens = 1 + accepted
             req.spec_token_ids = []
             real = sum(t != PLACEHOLDER_TOKEN_ID for t in s.draft_token_ids)

@@ -45,6 +45,7 @@ class EngineArgs:
     kda_decode_backend: str = "auto"
     speculative_config: str | dict | None = None  # JSON text (CLI) or a dict (LLM(...))
     compilation_config: str | dict | None = None
+    async_scheduling: bool | None = None  # None: on for CUDA without speculation
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,6 +71,10 @@ class EngineArgs:
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of MLA cache blocks (tests use it to force preemption)")
         g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule and prepare each step while the GPU runs the one before (default: on with "
+                            "CUDA unless --speculative-config is given, whose drafts need the tokens of the step "
+                            "before on the host)")
         g.add_argument("--mamba-ssm-cache-dtype", default=d.mamba_ssm_cache_dtype, choices=sorted(STATE_DTYPES),
                        help="dtype of the KDA recurrent state pools")
         g.add_argument("--attention-backend", default=d.attention_backend, choices=MLA_BACKENDS,
@@ -103,6 +108,8 @@ class EngineArgs:
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer or self.model,
                                    dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,
                                    hf_config=hf_config, device=device)
+        spec = None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)
+        async_scheduling = self._async_scheduling(device, spec)
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and device.type == "cpu":
             kv_bytes = int(float(os.environ.get(CPU_KV_CACHE_SPACE_ENV, "4")) * (1 << 30))
@@ -115,12 +122,22 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                              max_num_batched_tokens=self.max_num_batched_tokens
                                              or DEFAULT_BATCHED_TOKENS[device.type],
-                                             max_model_len=max_model_len),
+                                             max_model_len=max_model_len, async_scheduling=async_scheduling),
             kernel_config=KernelConfig(self.attention_backend, self.kda_prefill_backend, self.kda_decode_backend),
             compilation_config=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
-            speculative_config=None if self.speculative_config is None else SpeculativeConfig.from_json(
-                self.speculative_config),
+            speculative_config=spec,
         )
+
+    def _async_scheduling(self, device: torch.device, spec: SpeculativeConfig | None) -> bool:
+        if self.async_scheduling is None:
+            return device.type == "cuda" and spec is None
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
+        if self.async_scheduling and spec is not None:
+            raise ValueError("--async-scheduling cannot be combined with --speculative-config: the ngram proposer "
+                             "drafts from the tokens of the step before, which are still on the device when the next "
+                             "step is scheduled; drop one of the two flags")
+        return self.async_scheduling
 
     def _device(self) -> torch.device:
         if self.device == "auto":

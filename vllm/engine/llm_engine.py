@@ -23,7 +23,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.spec_decode.ngram import NgramProposer
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
-from vllm.worker.model_runner import ModelRunner
+from vllm.worker.input_batch import InFlightTokens
+from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.vocab_size = mc.hf_config.vocab_size
         self.penalties = PenaltyCounts(self.vocab_size, mc.device)
+        # Async scheduling: the step queued on the device whose outputs are not processed yet.
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -131,6 +136,7 @@ class LLMEngine:
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
+        self._free_penalty_rows()
         return outputs
 
     def _can_speculate(self, params: SamplingParams) -> bool:
@@ -140,21 +146,46 @@ class LLMEngine:
             and params.min_tokens == 0 and not _has_penalty(params)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests left, or a step in flight whose outputs are not processed yet."""
+        return self.scheduler.num_unfinished > 0 or self.in_flight is not None
 
     # ---- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and queues one step. Synchronously, returns its outputs. With async scheduling, returns the
+        outputs of the step before, processed while this one runs on the device; its tokens reach the host one
+        step late, so a request that stops has one more token computed and dropped."""
+        outputs = []
+        if self.in_flight is not None and self.scheduler.has_suspect:
+            outputs = self._drain()  # a suspect runs alone, with nothing else in flight
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return outputs + self._drain()
         rows = sched.scheduled
+        in_flight = self.in_flight[1].in_flight_tokens if self.in_flight is not None else None
         try:
-            sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids])
-            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids])
-            result = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling)
+            sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids],
+                                               in_flight)
+            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids], in_flight)
+            launched = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling, in_flight)
         except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
-            return self._contain(sched, e)
-        for s in rows:
+            outputs += self._drain()
+            return outputs + self._contain(sched, e)
+        outputs += self._drain()
+        self.in_flight = (sched, launched)
+        if not self.async_scheduling:
+            outputs += self._drain()
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Waits for the step in flight, if any, and processes its outputs."""
+        if self.in_flight is None:
+            return []
+        sched, launched = self.in_flight
+        self.in_flight = None
+        return self._process_step(sched, launched.get_output())
+
+    def _process_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        for s in sched.scheduled:
             if s.samples:
                 s.request.suspect = False  # it sampled in a step that worked: not the cause of an earlier failure
         for rid, rows in result.prompt_logprobs.items():
@@ -168,7 +199,12 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
         if self.proposer is not None:
             self._propose()
+        self._free_penalty_rows()
         return outputs
+
+    def _free_penalty_rows(self) -> None:
+        if self.penalties.rows:
+            self.penalties.prune(self.scheduler.requests)
 
     def _contain(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A step raised. The model may have updated every row's cache and state before it did, so no row can
@@ -177,6 +213,8 @@ class LLMEngine:
         fault: it alone finishes with finish_reason "error" and everything it held is freed. A request in
         MAX_FAILED_STEPS failed steps fails too, so a fault that needs company cannot loop forever."""
         reqs = [s.request for s in sched.scheduled]
+        for s in sched.scheduled:
+            s.request.num_output_placeholders -= s.samples  # the step's tokens never come
         culprits = [r for r in reqs if len(reqs) == 1 or r.num_failed_steps + 1 >= MAX_FAILED_STEPS]
         message = f"{type(error).__name__}: {error}"
         if culprits:
@@ -193,6 +231,7 @@ class LLMEngine:
                 self.scheduler.running.remove(req)
                 self.scheduler.requeue(req)
                 req.suspect = True
+        self._free_penalty_rows()
         return [out for r in culprits if (out := self.output_processor.fail(r.request_id, message)) is not None]
 
     def _propose(self) -> None:
@@ -212,22 +251,24 @@ class LLMEngine:
         """Engine-wide speculative-decoding counters since start (None without speculation)."""
         return self.scheduler.spec_stats
 
-    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata | None:
+    def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None) -> SamplingMetadata | None:
         if not reqs:
             return None
+        # The row samples its output number len(outputs) + placeholders (the step's own placeholder included).
         banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
-                  if len(r.output_token_ids) < r.sampling_params.min_tokens else [] for r in reqs]
+                  if len(r.output_token_ids) + r.num_output_placeholders <= r.sampling_params.min_tokens else []
+                  for r in reqs]
         return SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
-                                              banned, self.config.model_config.device, self._penalty_counts(reqs))
+                                              banned, self.config.model_config.device,
+                                              self._penalty_counts(reqs, in_flight))
 
-    def _penalty_counts(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _penalty_counts(self, reqs: list[Request],
+                        in_flight: InFlightTokens | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The penalised rows' device-side token counts (zero rows for the others), None if no row has one."""
         used = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
-        if self.penalties.rows:
-            self.penalties.prune(self.scheduler.requests)
         if not used:
             return None
-        counts, seen = self.penalties.gather([reqs[i] for i in used])
+        counts, seen = self.penalties.gather([reqs[i] for i in used], in_flight)
         if len(used) == len(reqs):
             return counts, seen
         index = torch.tensor(used, device=counts.device)

@@ -31,27 +31,41 @@ class PenaltyCounts:
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=self.device)
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
 
-    def gather(self, requests: Sequence[TokenHistory]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, requests: Sequence[TokenHistory],
+               in_flight: tuple[torch.Tensor, dict[str, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' rows, brought up to date: output-token counts [B, V] float32 and prompt-token marks
-        [B, V] bool, in the requests' order."""
-        rows, new_rows, new_cols = [], [], []
+        [B, V] bool, in the requests' order. `in_flight`: the device tokens of a step still running and each
+        request's row in them; a request's token there is counted now, from the device."""
+        rows, new_rows, new_cols, flight_rows, flight_index = [], [], [], [], []
         for req in requests:
-            row = self.rows.get(req.request_id)
+            rid = req.request_id
+            row = self.rows.get(rid)
             if row is None:
                 row = self._claim(req)
             out = req.output_token_ids
-            start = self.counted[req.request_id]
+            start = self.counted[rid]
             if len(out) > start:
                 new_rows += [row] * (len(out) - start)
                 new_cols += out[start:]
-                self.counted[req.request_id] = len(out)
+                self.counted[rid] = len(out)
+            j = in_flight[1].get(rid) if in_flight is not None else None
+            if j is not None and self.counted[rid] == len(out):  # its token lands in output_token_ids later
+                flight_rows.append(row)
+                flight_index.append(j)
+                self.counted[rid] += 1
             rows.append(row)
         if new_rows:
             index = async_tensor_h2d([new_rows, new_cols], torch.int64, self.device)
-            self.output_counts.index_put_((index[0], index[1]), torch.ones(len(new_rows), device=self.device),
-                                          accumulate=True)
+            self._add(index[0], index[1])
+        if flight_rows:
+            index = async_tensor_h2d([flight_rows, flight_index], torch.int64, self.device)
+            self._add(index[0], in_flight[0][index[1]])
         rows_t = async_tensor_h2d(rows, torch.int64, self.device)
         return self.output_counts[rows_t], self.prompt_seen[rows_t]
+
+    def _add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.output_counts.index_put_((rows, token_ids), torch.ones(rows.shape[0], device=self.device),
+                                      accumulate=True)
 
     def prune(self, alive: Container[str]) -> None:
         """Frees the rows of requests that are no longer alive."""

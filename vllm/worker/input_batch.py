@@ -13,6 +13,11 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
+from vllm.utils import async_tensor_h2d
+
+# The step in flight's sampled tokens on the device and each sampling request's row in them: where a step
+# scheduled ahead of its predecessor's results finds the tokens its host does not have yet.
+InFlightTokens = tuple[torch.Tensor, dict[str, int]]
 
 
 class CpuGpuBuffer:
@@ -54,13 +59,20 @@ class InputBatch:
         self.block_width = 0  # columns of the device table the step's rows use
         self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
         self.is_prefilling_np = self.is_prefilling.numpy()
+        # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
+        # ran, which matters once a step is prepared while the one before may still be queued.
+        self._copied: torch.cuda.Event | None = None
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> CommonAttentionMetadata:
-        """Writes the step's token ids, positions and cache indices; returns the step's common metadata."""
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager,
+                in_flight: InFlightTokens | None = None) -> CommonAttentionMetadata:
+        """Writes the step's token ids, positions and cache indices; returns the step's common metadata. A row's
+        last token may still be on the device, sampled by the step in flight (`in_flight`): it is copied there."""
+        if self._copied is not None:
+            self._copied.synchronize()
         bs = self.block_size
         scheduled = out.scheduled
         n_reqs = len(scheduled)
-        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, n_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n_reqs)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, n_reqs)
         qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
         qsl[0] = 0
@@ -68,9 +80,16 @@ class InputBatch:
         seq_lens[:n_reqs] = starts + lens
         T = int(qsl[n_reqs])
         tokens: list[int] = []
+        unknown: list[tuple[int, str]] = []  # (position in the step, request) of tokens still on the device
         for s, start in zip(scheduled, starts.tolist()):
-            drafts = s.draft_token_ids
-            tokens += s.request.token_ids_slice(start, start + s.num_tokens - len(drafts))
+            drafts, req = s.draft_token_ids, s.request
+            end = start + s.num_tokens - len(drafts)
+            known = min(end, req.num_tokens)
+            tokens += req.token_ids_slice(start, known)
+            if end > known:
+                assert end == known + 1, "only the last sampled token can still be in flight"
+                unknown.append((len(tokens), req.request_id))
+                tokens.append(0)
             tokens += drafts
         self.draft_ids.np[:T] = tokens
         np.maximum(self.draft_ids.np[:T], 0, out=self.input_ids.np[:T])  # a placeholder runs as token 0
@@ -98,6 +117,8 @@ class InputBatch:
         else:
             self.slot_mapping.np[:T] = -1
         self._copy_to_device(n_reqs, T)
+        if unknown:
+            self._fill_in_flight(unknown, in_flight)
         return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
                               int(seq_lens[:n_reqs].max()) if n_reqs else 0, freeze_host=False)
 
@@ -113,6 +134,18 @@ class InputBatch:
         self.block_table.gpu[:num_reqs, :w].copy_(self.block_table.cpu[:num_reqs, :w], non_blocking=True)
         for buf in (self.input_ids, self.positions, self.slot_mapping, *spec_tokens):
             buf.copy_to_device(num_tokens)
+        if self.input_ids.gpu.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _fill_in_flight(self, unknown: list[tuple[int, str]], in_flight: InFlightTokens | None) -> None:
+        """Copies each row's token sampled by the step in flight into the step's device token ids."""
+        if in_flight is None:
+            raise RuntimeError("a scheduled token is neither on the host nor sampled by a step in flight")
+        sampled, row_of = in_flight
+        index = async_tensor_h2d([[pos for pos, _ in unknown], [row_of[rid] for _, rid in unknown]],
+                                 torch.int64, sampled.device)
+        self.input_ids.gpu[index[0]] = sampled[index[1]]
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   freeze_host: bool) -> CommonAttentionMetadata:

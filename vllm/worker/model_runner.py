@@ -28,7 +28,8 @@ from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gath
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
                                    capture_descriptors, capture_sizes, resolve_mode)
-from vllm.worker.input_batch import InputBatch
+from vllm.utils import async_tensor_d2h, async_tensor_h2d
+from vllm.worker.input_batch import InFlightTokens, InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,62 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # per request: rows for the prompt positions this step covered (first prompt token has none)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _HostLogprobs:
+    """(token ids, logprobs, ranks) rows of a LogprobsTensors, copied to the host behind the step."""
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+    @classmethod
+    def queue(cls, t: LogprobsTensors) -> _HostLogprobs:
+        return cls(async_tensor_d2h(t.token_ids), async_tensor_d2h(t.logprobs), async_tensor_d2h(t.ranks))
+
+    def lists(self) -> tuple[list, list, list]:
+        return self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+
+
+@dataclass(slots=True)
+class AsyncModelRunnerOutput:
+    """A step whose work is queued on the device: its results come back through host copies queued behind it,
+    which get_output() waits for. Until then the host may schedule and prepare the next step, which reads this
+    one's sampled tokens on the device (`in_flight_tokens`)."""
+    sampled_token_ids: torch.Tensor | None = None  # device [rows that sampled without drafts]
+    sample_rows: dict[str, int] = field(default_factory=dict)  # request -> its row in sampled_token_ids
+    sample_logprob_ks: list[int | None] = field(default_factory=list)  # per sample row: logprobs asked for
+    sampled_host: torch.Tensor | None = None
+    logprobs_host: _HostLogprobs | None = None
+    verify_rows: list[str] = field(default_factory=list)  # requests whose drafts were verified, in order
+    verified_host: torch.Tensor | None = None  # [rows, 1 + K] accepted tokens then placeholders
+    prompt_logprobs_host: dict[str, _HostLogprobs] = field(default_factory=dict)
+    done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
+
+    @property
+    def in_flight_tokens(self) -> InFlightTokens | None:
+        return None if self.sampled_token_ids is None else (self.sampled_token_ids, self.sample_rows)
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Waits for the step's results (the one host-device synchronisation of a step) and returns them."""
+        if self.done is not None:
+            self.done.synchronize()
+        result = ModelRunnerOutput()
+        if self.sampled_host is not None:
+            ids = self.sampled_host.tolist()
+            lp = self.logprobs_host.lists() if self.logprobs_host is not None else None
+            for (rid, j), k in zip(self.sample_rows.items(), self.sample_logprob_ks):
+                result.sampled[rid] = [ids[j]]
+                if lp is not None and k is not None:
+                    result.logprobs[rid] = (lp[0][j][:k + 1], lp[1][j][:k + 1], lp[2][j])
+        if self.verified_host is not None:
+            for rid, row in zip(self.verify_rows, self.verified_host.tolist()):
+                # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
+                result.sampled[rid] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        for rid, host in self.prompt_logprobs_host.items():
+            t = host.lists()
+            result.prompt_logprobs[rid] = list(zip(t[0], t[1], t[2]))
+        return result
 
 
 class ModelRunner:
@@ -271,10 +328,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, kv: KVCacheManager, sampling: SamplingMetadata | None,
-                      spec_sampling: SamplingMetadata | None = None) -> ModelRunnerOutput:
-        """One step. `sampling` covers the sampling rows without drafts, `spec_sampling` the verify rows, each
-        in step order."""
-        common = self.input_batch.prepare(out, kv)
+                      spec_sampling: SamplingMetadata | None = None,
+                      in_flight: InFlightTokens | None = None) -> AsyncModelRunnerOutput:
+        """Queues one step on the device and returns without waiting for it. `sampling` covers the sampling rows
+        without drafts, `spec_sampling` the verify rows, each in step order; `in_flight`: the sampled tokens of
+        a step still running, which rows of this one continue from."""
+        common = self.input_batch.prepare(out, kv, in_flight)
         trimmed = None
         if self.device_trim_hook is not None and out.scheduled and all(s.draft_token_ids for s in out.scheduled):
             trimmed, device_lens = self.device_trim_hook(out, common)
@@ -286,7 +345,7 @@ class ModelRunner:
         else:
             self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)
             hidden = self.graphs.replay(desc)[:T]
-        result = ModelRunnerOutput()
+        result = AsyncModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
@@ -298,25 +357,28 @@ class ModelRunner:
             token_idx = np.concatenate([np.arange(ends[r] - d - 1, ends[r]) for r, d in zip(verify_rows, drafts)])
             cu = np.zeros(len(drafts) + 1, dtype=np.int32)
             np.cumsum(np.add(drafts, 1), out=cu[1:])
-            self._verify(out, hidden, verify_rows, torch.from_numpy(token_idx).to(self.device),
-                         torch.from_numpy(cu).to(self.device), drafts, spec_sampling, result)
+            self._verify(out, hidden, verify_rows, async_tensor_h2d(token_idx, torch.int64, self.device),
+                         async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
         if sample_rows:
-            idx = torch.tensor([ends[r] - 1 for r in sample_rows], device=self.device)
+            idx = async_tensor_h2d([ends[r] - 1 for r in sample_rows], torch.int64, self.device)
             sampled = self.sampler(self.model.compute_logits(hidden[idx]), sampling)
-            ids = sampled.sampled_token_ids.tolist()
-            lp = _to_lists(sampled.logprobs)
+            result.sampled_token_ids = sampled.sampled_token_ids
+            result.sampled_host = async_tensor_d2h(sampled.sampled_token_ids)
+            if sampled.logprobs is not None:
+                result.logprobs_host = _HostLogprobs.queue(sampled.logprobs)
             for j, r in enumerate(sample_rows):
-                rid = out.scheduled[r].request.request_id
-                result.sampled[rid] = [ids[j]]
-                if lp is not None and out.scheduled[r].request.sampling_params.logprobs is not None:
-                    k = out.scheduled[r].request.sampling_params.logprobs
-                    result.logprobs[rid] = (lp[0][j][:k + 1], lp[1][j][:k + 1], lp[2][j])
+                req = out.scheduled[r].request
+                result.sample_rows[req.request_id] = j
+                result.sample_logprob_ks.append(req.sampling_params.logprobs)
         self._prompt_logprobs(out, hidden, ends, result)
+        if self.device.type == "cuda":
+            result.done = torch.cuda.Event()
+            result.done.record()
         return result
 
     def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
                 cu_num_logits: torch.Tensor, num_draft_tokens: list[int], sampling: SamplingMetadata,
-                result: ModelRunnerOutput) -> None:
+                result: AsyncModelRunnerOutput) -> None:
         """Rejection-sample the verify `rows`. token_idx (device) lists each row's tokens in the step (its
         current token, then its drafts), each one a logits row; cu_num_logits (device) cuts them into rows. The
         drafts are read from the input batch's device draft ids (placeholders still -1), so nothing is uploaded
@@ -327,18 +389,17 @@ class ModelRunner:
         draft_rows = (~first).nonzero_static(size=sum(num_draft_tokens)).squeeze(1)  # no host sync
         drafts = self.input_batch.draft_ids.gpu[token_idx[draft_rows]]
         meta = SpecDecodeMetadata(drafts, num_draft_tokens, cu_num_logits)
-        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec).tolist()
-        for r, row in zip(rows, tokens):
-            # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
-            result.sampled[out.scheduled[r].request.request_id] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec)
+        result.verify_rows = [out.scheduled[r].request.request_id for r in rows]
+        result.verified_host = async_tensor_d2h(tokens)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
-                         result: ModelRunnerOutput) -> None:
+                         result: AsyncModelRunnerOutput) -> None:
         for r, s in enumerate(out.scheduled):
             req = s.request
             k = req.sampling_params.prompt_logprobs
             n_prompt = len(req.prompt_token_ids)
-            start = req.num_computed_tokens
+            start = s.num_computed_tokens
             if k is None or start >= n_prompt:
                 continue
             # Row t predicts prompt token t+1; a chunk covering positions [start, end) scores [start+1, end].
@@ -347,12 +408,5 @@ class ModelRunner:
                 continue
             rows = hidden[ends[r] - s.num_tokens:ends[r] - s.num_tokens + (end - start)]
             logprobs = self.model.compute_logits(rows).log_softmax(-1)
-            targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], device=self.device)
-            t = _to_lists(gather_logprobs(logprobs, targets, k))
-            result.prompt_logprobs[req.request_id] = list(zip(t[0], t[1], t[2]))
-
-
-def _to_lists(t: LogprobsTensors | None):
-    if t is None:
-        return None
-    return t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()
+            targets = async_tensor_h2d(req.prompt_token_ids[start + 1:end + 1], torch.int64, self.device)
+            result.prompt_logprobs_host[req.request_id] = _HostLogprobs.queue(gather_logprobs(logprobs, targets, k))

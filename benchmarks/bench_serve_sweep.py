@@ -1,0 +1,153 @@
+"""`vllm serve` latency and throughput at several concurrencies, on the offline benchmark's random checkpoint.
+
+    python benchmarks/bench_serve_sweep.py --device cuda --config benchmarks/configs/kimi-linear-1b3.json \
+        --dtype bfloat16 --concurrency 1,16,64 --input-len 256 --output-len 128 \
+        --offline-json benchmarks/results/gpu/offline_throughput_cuda.json --out benchmarks/results/gpu/serve_sweep.json
+
+Writes the checkpoint bench_offline_throughput.py writes (same --config and --seed: the same weights), starts
+`vllm serve` on it (its defaults, plus --serve-args), and runs bench_serve.py against it once per concurrency:
+4 x concurrency requests (at least 16), all sent at once, at most `concurrency` in flight, greedy, exactly
+--output-len tokens each. With --offline-json (a result of bench_offline_throughput.py from the same machine
+and checkpoint), the served output throughput at each concurrency is set against the offline figure at that
+batch size. Writes JSON (each level's bench_serve summary) and a PNG of TTFT, TPOT and throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serve
+from bench_common import metadata, write_json
+from bench_offline_throughput import build_checkpoint
+
+
+def start_server(model_dir: Path, extra: list[str], timeout: float) -> tuple[subprocess.Popen, str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--disable-log-requests", "--uvicorn-log-level", "warning", *extra]
+    print("+", shlex.join(cmd), flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, url, time.monotonic() - t0
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"vllm serve did not become healthy within {timeout} s")
+
+
+def plot(levels: list[dict], meta: dict, title: str, png: Path) -> None:
+    conc = [lv["concurrency"] for lv in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, label in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for stat in ("median", "p99"):
+            ax.plot(conc, [lv["summary"][key].get(stat, float("nan")) for lv in levels], marker="o", label=stat)
+        ax.set(xscale="log", xlabel="concurrency", ylabel="ms", title=label)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes[2]
+    ax.plot(conc, [lv["summary"]["output_token_throughput"] for lv in levels], marker="o", label="served")
+    offline = [lv.get("offline_tokens_per_s") for lv in levels]
+    if any(v is not None for v in offline):
+        ax.plot(conc, [v if v is not None else float("nan") for v in offline], marker="s", label="offline, same batch")
+    ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"{title} - {meta['device_name']}, commit {meta['git_commit'][:12]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--serve-args", default="", help="extra `vllm serve` flags, one shell-quoted string")
+    ap.add_argument("--offline-json", default=None, help="bench_offline_throughput.py result to compare with")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default="benchmarks/results/cpu/serve_sweep_cpu.json")
+    args = ap.parse_args()
+    meta = metadata(args.device)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    P, O = args.input_len, args.output_len
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_sweep_"))
+    hf, cfg = build_checkpoint(args, tmp)
+    del hf
+    torch.cuda.empty_cache() if args.device == "cuda" else None
+    offline = {}
+    if args.offline_json:
+        for row in json.loads(Path(args.offline_json).read_text())["results"]:
+            offline[row["batch_size"]] = row["ours"]["tokens_per_s"]
+    serve_flags = ["--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed), "--max-model-len",
+                   str(P + O + 8), "--max-num-seqs", str(max(levels)), *shlex.split(args.serve_args)]
+    proc, url, startup_s = start_server(tmp, serve_flags, args.startup_timeout)
+    print(f"server healthy after {startup_s:.1f} s", flush=True)
+    results = []
+    try:
+        for c in levels:
+            n = max(16, 4 * c)
+            # One short warm-up round at this concurrency first: the first requests pay one-time costs.
+            common = ["--base-url", url, "--max-concurrency", str(c), "--input-len", str(P), "--output-len", str(O),
+                      "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed)]
+            bench_serve.main(common + ["--num-prompts", str(c), "--out", str(tmp / f"warmup_{c}.json")])
+            res = bench_serve.main(common + ["--num-prompts", str(n), "--out", str(tmp / f"level_{c}.json")])
+            level = {"concurrency": c, "num_prompts": n, "summary": res["summary"]}
+            if c in offline:
+                level["offline_tokens_per_s"] = offline[c]
+                level["served_over_offline"] = res["summary"]["output_token_throughput"] / offline[c]
+            results.append(level)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    data = {**meta, "benchmark": "serve_sweep", "config": {**vars(args), "model_config": cfg},
+            "serve_flags": serve_flags, "server_startup_s": startup_s, "levels": results}
+    path = write_json(args.out, data)
+    name = "tiny Kimi-Linear" if args.config == "tiny" else Path(args.config).stem
+    plot(results, meta, f"vllm serve, {name}, {args.dtype}, in {P}, out {O}", path.with_suffix(".png"))
+    for lv in results:
+        s = lv["summary"]
+        ratio = f", {lv['served_over_offline']:.2f}x offline" if "served_over_offline" in lv else ""
+        print(f"concurrency {lv['concurrency']:>3}: TTFT median {s['ttft_ms'].get('median', float('nan')):8.1f} ms, "
+              f"TPOT median {s['tpot_ms'].get('median', float('nan')):7.2f} ms, "
+              f"{s['output_token_throughput']:9.1f} output tok/s{ratio} ({s['failed']} failed)")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
