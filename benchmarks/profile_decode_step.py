@@ -2,9 +2,11 @@
 
     python benchmarks/profile_decode_step.py --config benchmarks/configs/kimi-linear-1b3.json --batch-sizes 1,16
 
-For eager and FULL_DECODE_ONLY engines on the same random checkpoint: B requests with short prompts are
-prefilled and decoded a few steps, then `--steps` steps run under the profiler. Prints the graph each step
-replayed, the kernels by GPU time, the host ops by CPU time and the median step time. This is what showed the MoE
+For FULL_DECODE_ONLY engines with and without async scheduling, and an eager one, on the same random
+checkpoint: B requests with short prompts are prefilled and decoded a few steps, then `--steps` steps run under
+the profiler. Prints the graph each step replayed, the kernels by GPU time, the host ops by CPU time, the host
+synchronisations and copies per step, and the time per step over `--steps` back-to-back steps (one device sync
+at the end, so overlapped host work is not counted twice). This is what showed the MoE
 every-expert path putting ~2,300 small kernels into each decode graph (results/gpu/*profile_decode_step*).
 """
 from __future__ import annotations
@@ -22,9 +24,14 @@ from torch.profiler import ProfilerActivity, profile
 from vllm import SamplingParams
 
 
+# Runtime calls that make the host wait for the device (or queue copies): counted per step.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+              "cudaGraphLaunch")
+
+
 def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8 * steps + 20, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": list(range(5, 21))}, params)
     for _ in range(8):  # prefill, then warm decode steps
@@ -40,16 +47,21 @@ def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
         sync(device)
     runner._graph_for = pick
     print(f"=== batch {batch}: replayed {replayed[-1]}")
+    averages = prof.key_averages()
     for key in (("cuda_time_total",) if device == "cuda" else ()) + ("cpu_time_total",):
-        print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
-    times = []
-    for _ in range(steps):
+        print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    calls = {e.key: e.count for e in averages}
+    print("per step: " + ", ".join(f"{name} {calls.get(name, 0) / steps:.1f}" for name in HOST_WAITS), flush=True)
+    runs = []
+    for _ in range(5):
         sync(device)
         t0 = time.perf_counter()
-        engine.step()
+        for _ in range(steps):
+            engine.step()
         sync(device)
-        times.append(time.perf_counter() - t0)
-    print(f"median step {sorted(times)[len(times) // 2] * 1e3:.2f} ms", flush=True)
+        runs.append((time.perf_counter() - t0) / steps)
+    print(f"step time {sorted(runs)[len(runs) // 2] * 1e3:.2f} ms (median of 5 runs of {steps} back-to-back steps)",
+          flush=True)
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -68,11 +80,12 @@ def main() -> None:
     build_checkpoint(argparse.Namespace(config=args.config, device=args.device, dtype=args.dtype, seed=0), path)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     engine_args = argparse.Namespace(dtype=args.dtype, device=args.device, seed=0, prompt_len=16,
-                                     output_len=3 * args.steps + 20, num_spec=0,
+                                     output_len=8 * args.steps + 20, num_spec=0,
                                      gpu_memory_utilization=args.gpu_memory_utilization)
-    for graphs in (True, False):
-        print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}")
-        llm = make_llm(engine_args, path, graphs, None, max(batches))
+    for graphs, overlap in ((True, True), (True, False), (False, True)):
+        print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}, "
+              f"{'async scheduling' if overlap else 'synchronous'}")
+        llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap)
         for b in batches:
             profile_steps(llm, b, args.steps, args.rows, args.device)
         del llm
