@@ -8,8 +8,9 @@ Only loopback servers are accepted (127.0.0.0/8, localhost, ::1). Prompts are ra
 [5, --vocab-size) sent as `prompt: [ids]`, lengths uniform in len*(1 -/+ --range-ratio); or, with --dataset FILE,
 random slices of the file's words. Requests arrive as a Poisson process at --request-rate (inf: all at once),
 at most --max-concurrency in flight. Each request is greedy with ignore_eos and exactly max_tokens wanted.
-TTFT: send -> first chunk with non-empty text; ITL: gaps between later non-empty chunks; TPOT: (e2e - ttft) /
-(output_tokens - 1), output tokens from the final `usage` chunk (or the count of text chunks without one).
+TTFT: send -> first chunk with non-empty text (or, with --every-token, with a token); ITL: gaps between later
+such chunks; TPOT: (e2e - ttft) / (output_tokens - 1), output tokens from the final `usage` chunk (or the count
+of text chunks without one).
 Failed requests (HTTP errors, broken streams, the --timeout on the whole run) are counted, not fatal.
 Writes JSON (bench_common metadata, summary in ms, per-request records) and a PNG of the latency CDFs.
 """
@@ -71,9 +72,11 @@ def make_prompts(args, rng: random.Random) -> list[tuple[object, int, int]]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, prompt_len: int, max_tokens: int,
-                      rec: dict) -> None:
+                      rec: dict, every_token: bool = False) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if every_token:  # the sampled token's logprob rides in every chunk, so tokens without text are seen too
+        body["logprobs"] = 0
     rec.update(prompt_len=prompt_len, max_tokens=max_tokens, ok=False, itl=[], chunks=0, usage_tokens=None)
     t0 = rec["start"] = time.perf_counter()
     last = None
@@ -94,7 +97,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, p
                     rec["error"] = f"stream error: {str(msg['error'])[:200]}"
                     return
                 now = time.perf_counter()
-                if msg.get("choices") and msg["choices"][0].get("text"):
+                choice = msg["choices"][0] if msg.get("choices") else {}
+                if choice.get("text") or (choice.get("logprobs") or {}).get("tokens"):
                     rec["chunks"] += 1
                     if last is None:
                         rec["ttft"] = now - t0
@@ -128,9 +132,9 @@ async def run_load(args, base: str, prompts) -> tuple[list[dict], float]:
 
         async def limited(i: int, p) -> None:
             if sem is None:
-                return await one_request(client, base + "/v1/completions", model, *p, recs[i])
+                return await one_request(client, base + "/v1/completions", model, *p, recs[i], args.every_token)
             async with sem:
-                await one_request(client, base + "/v1/completions", model, *p, recs[i])
+                await one_request(client, base + "/v1/completions", model, *p, recs[i], args.every_token)
 
         t_start = time.perf_counter()
         tasks = []
@@ -191,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab-size", type=int, default=500, help="random prompt ids are in [5, vocab-size)")
     ap.add_argument("--dataset", default=None, help="local text file: prompts are random slices of its words")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--every-token", action="store_true",
+                    help="ask for logprobs=0, so that a chunk comes for every token even when its text is empty "
+                         "(random models emit ids the tokenizer decodes to nothing)")
     ap.add_argument("--timeout", type=float, default=600.0, help="total seconds for the whole run")
     ap.add_argument("--out", default="benchmarks/results/cpu/serve_cpu.json")
     args = ap.parse_args(argv)

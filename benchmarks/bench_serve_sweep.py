@@ -7,7 +7,8 @@
 Writes the checkpoint bench_offline_throughput.py writes (same --config and --seed: the same weights), starts
 `vllm serve` on it (its defaults, plus --serve-args), and runs bench_serve.py against it once per concurrency:
 4 x concurrency requests (at least 16), all sent at once, at most `concurrency` in flight, greedy, exactly
---output-len tokens each. With --offline-json (a result of bench_offline_throughput.py from the same machine
+--output-len tokens each, with logprobs=0 so that every token comes in a chunk (bench_serve.py --every-token:
+most ids of a random model decode to no text with the built-in tokenizer). With --offline-json (a result of bench_offline_throughput.py from the same machine
 and checkpoint), the served output throughput at each concurrency is set against the offline figure at that
 batch size. Writes JSON (each level's bench_serve summary) and a PNG of TTFT, TPOT and throughput.
 """
@@ -120,7 +121,7 @@ def main() -> None:
             n = max(16, 4 * c)
             # One short warm-up round at this concurrency first: the first requests pay one-time costs.
             common = ["--base-url", url, "--max-concurrency", str(c), "--input-len", str(P), "--output-len", str(O),
-                      "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed)]
+                      "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed), "--every-token"]
             bench_serve.main(common + ["--num-prompts", str(c), "--out", str(tmp / f"warmup_{c}.json")])
             res = bench_serve.main(common + ["--num-prompts", str(n), "--out", str(tmp / f"level_{c}.json")])
             level = {"concurrency": c, "num_prompts": n, "summary": res["summary"]}
