@@ -52,11 +52,12 @@ class InputBatch:
         self.num_accepted = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.num_draft_tokens = torch.zeros(max_num_reqs, dtype=torch.int32)  # host only: row tags
         self.block_table = CpuGpuBuffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
-        # Which block list each host row holds and how much of it is written: rows are rewritten only when the
-        # request (or its list, after a preemption) changes, else only its new blocks are appended.
+        # Which block list each row holds and how much of it is written, on the host and on the device alike: a
+        # row is rewritten only when its request (or its list, after a preemption) changes, else only its new
+        # blocks are appended, and only those entries go to the device (a whole table is O(context) per step).
         self.row_lists: list[tuple[str, int] | None] = [None] * max_num_reqs
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_width = 0  # columns of the device table the step's rows use
+        self.new_blocks: list[tuple[int, int, int]] = []  # (row, first column, past the last) to send this step
         self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
         self.is_prefilling_np = self.is_prefilling.numpy()
         # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
@@ -96,7 +97,7 @@ class InputBatch:
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
         positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
-        table, width = self.block_table.np, 0
+        table, self.new_blocks = self.block_table.np, []
         for r, s in enumerate(scheduled):
             rid = s.request.request_id
             blocks = kv.block_ids(rid)
@@ -104,13 +105,12 @@ class InputBatch:
             start = self.row_blocks[r] if self.row_lists[r] == key else 0
             if len(blocks) > start:
                 table[r, start:len(blocks)] = blocks[start:]
+                self.new_blocks.append((r, start, len(blocks)))
             self.row_lists[r], self.row_blocks[r] = key, len(blocks)
-            width = max(width, len(blocks))
             self.state_indices.np[r] = kv.state_slots(rid)
             self.num_accepted.np[r] = s.request.num_accepted_tokens
             self.num_draft_tokens[r] = s.num_draft_tokens
             self.is_prefilling_np[r] = s.is_prefilling
-        self.block_width = width
         if kv.needs_blocks:
             block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
             self.slot_mapping.np[:T] = block_ids * bs + positions % bs
@@ -129,9 +129,12 @@ class InputBatch:
         spec_reqs, spec_tokens = ((self.num_accepted,), (self.draft_ids,)) if self.spec else ((), ())
         for buf in (self.seq_lens, self.state_indices, *spec_reqs):
             buf.copy_to_device(num_reqs)
-        # Only the columns some row uses: the rest of the device table is never read for these rows.
-        w = self.block_width
-        self.block_table.gpu[:num_reqs, :w].copy_(self.block_table.cpu[:num_reqs, :w], non_blocking=True)
+        if self.new_blocks:
+            rows = np.concatenate([np.full(e - b, r) for r, b, e in self.new_blocks])
+            cols = np.concatenate([np.arange(b, e) for _, b, e in self.new_blocks])
+            index = async_tensor_h2d(np.stack([rows, cols, self.block_table.np[rows, cols]]), torch.int64,
+                                     self.block_table.gpu.device)
+            self.block_table.gpu[index[0], index[1]] = index[2].to(torch.int32)
         for buf in (self.input_ids, self.positions, self.slot_mapping, *spec_tokens):
             buf.copy_to_device(num_tokens)
         if self.input_ids.gpu.is_cuda:
@@ -180,7 +183,8 @@ class InputBatch:
         self.slot_mapping.np[:num_tokens] = -1
         self.block_table.np[:num_reqs] = 0
         self.row_lists[:num_reqs] = [None] * num_reqs  # the next step rewrites these rows
-        self.block_width = self.block_table.np.shape[1]
+        self.new_blocks = []
+        self.block_table.copy_to_device(num_reqs)
         self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
         self.num_accepted.np[:num_reqs] = 1
         self.is_prefilling_np[:num_reqs] = False
