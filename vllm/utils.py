@@ -10,8 +10,10 @@ def async_tensor_h2d(data, dtype: torch.dtype, device: torch.device | str) -> to
     everything queued before the copy; from pinned memory the copy is queued like a kernel. The pinned buffer
     comes from torch's caching host allocator, which keeps it until the copy has run."""
     device = torch.device(device)
-    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")  # a copy: the caller may reuse data
-    return host.to(device, non_blocking=True)
+    host = torch.as_tensor(data, dtype=dtype)  # may share a numpy array's memory: both branches copy
+    if device.type != "cuda":
+        return host.to(device, copy=True)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:

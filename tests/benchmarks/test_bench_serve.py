@@ -15,9 +15,9 @@ bench_serve = benchmark_scripts.load("bench_serve")
 class Stub(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, fail_every: int = 0, delay: float = 0.002, usage: bool = True):
+    def __init__(self, fail_every: int = 0, delay: float = 0.002, usage: bool = True, no_text: bool = False):
         super().__init__(("127.0.0.1", 0), Handler)
-        self.fail_every, self.delay, self.usage = fail_every, delay, usage
+        self.fail_every, self.delay, self.usage, self.no_text = fail_every, delay, usage, no_text
         self.count, self.lock, self.bodies = 0, threading.Lock(), []
 
 
@@ -64,8 +64,10 @@ class Handler(BaseHTTPRequestHandler):
             plen = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"].split())
             for i in range(body["max_tokens"]):
                 time.sleep(srv.delay)
+                # no_text: tokens that decode to nothing, as a random model's do; the token shows in logprobs only
+                lps = {"tokens": [f"<{i}>"], "token_logprobs": [-1.0]} if "logprobs" in body else None
                 event({"id": "cmpl-1", "object": "text_completion", "model": body["model"],
-                       "choices": [{"index": 0, "text": f" t{i}", "logprobs": None,
+                       "choices": [{"index": 0, "text": "" if srv.no_text else f" t{i}", "logprobs": lps,
                                     "finish_reason": "length" if i == body["max_tokens"] - 1 else None}]})
             if srv.usage:
                 event({"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": [],
@@ -163,3 +165,14 @@ def test_non_loopback_refused(bad, tmp_path, capsys):
                                   "http://[::1]:8000"])
 def test_loopback_accepted(good):
     assert bench_serve.check_loopback(good) == good.rstrip("/")
+
+
+@pytest.mark.parametrize("stub", [{"no_text": True}], indirect=True)
+def test_every_token_times_tokens_that_have_no_text(stub, tmp_path):
+    common = ["--base-url", url(stub), "--num-prompts", "4", "--input-len", "8", "--output-len", "5"]
+    blind = bench_serve.main(common + ["--out", str(tmp_path / "a.json")])["summary"]
+    assert blind["completed"] == 0 and blind["errors"] == {"no non-empty text chunk": 4}
+    res = bench_serve.main(common + ["--every-token", "--out", str(tmp_path / "b.json")])
+    s = res["summary"]
+    assert s["completed"] == 4 and s["itl_ms"]["n"] == 4 * 4 and s["total_output_tokens"] == 4 * 5
+    assert all(b.get("logprobs") == 0 for b in stub.bodies[4:]) and "logprobs" not in stub.bodies[0]

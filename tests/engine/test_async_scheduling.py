@@ -153,7 +153,10 @@ def test_a_faulty_step_fails_only_its_request_with_a_step_in_flight(engines, mon
     """The fault hits while the step before is still in flight: that step's outputs are kept, the faulty
     request alone fails once it is run by itself, the others give the synchronous engine's tokens."""
     make, overlapped = engines
-    sync, overlap = make()
+    # The faulty step's requests are recomputed by a prefill. fla's Triton prefill computes fp32 dots in TF32 on a
+    # GPU, which can flip a near-tied greedy token of the random model against the never-interrupted reference;
+    # the torch prefill is exact, so any difference left is the engine's.
+    sync, overlap = make(kda_prefill_backend="torch")
     batch = prompts([5, 40, 9, 23, 64])
     bad = batch[2]["prompt_token_ids"]
     want = completions(sync.generate(batch, GREEDY, use_tqdm=False))

@@ -1,0 +1,31 @@
+"""async_tensor_h2d / async_tensor_d2h: copies, never views of the caller's data, from lists and numpy alike."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.utils import async_tensor_d2h, async_tensor_h2d
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_h2d_copies_lists_and_numpy_arrays(device):
+    data = np.random.default_rng(0).integers(0, 1000, size=(3, 5))
+    t = async_tensor_h2d(data, torch.int64, device)
+    data[0, 0] = -1  # the caller reuses its buffer at once
+    assert t.device.type == device and t.dtype == torch.int64
+    assert t.cpu()[0, 0] != -1 and torch.equal(t.cpu()[1:], torch.from_numpy(data[1:]))
+    floats = async_tensor_h2d([[0.5, 1.0], [2.0, 3.5]], torch.float32, device)
+    assert torch.equal(floats.cpu(), torch.tensor([[0.5, 1.0], [2.0, 3.5]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_d2h_returns_the_values_once_the_stream_has_run(device):
+    x = torch.randn(64, device=device)
+    host = async_tensor_d2h(x * 2)
+    if device == "cuda":
+        assert host.is_pinned()
+        torch.cuda.current_stream().synchronize()
+    assert host.device.type == "cpu" and torch.equal(host, (x * 2).cpu())
