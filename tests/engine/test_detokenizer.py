@@ -8,7 +8,7 @@ import pytest
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.sampling_params import SamplingParams
-from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.transformers_utils.tokenizer import decoder_for, get_tokenizer
 
 MULTIBYTE = "café ☕ 日本語 — naïve 😀 done"
 SPECIAL_IDS = [0, 1, 2, 3, 4]
@@ -206,3 +206,25 @@ def test_detokenize_false(tok):
     assert det.output_text == ""
     assert det.get_next_output_text(finished=False, delta=True) == ""
     assert det.get_next_output_text(finished=True, delta=False) == ""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fast_decoder_gives_the_tokenizers_text(tok, skip):
+    """decoder_for's Rust-backend shortcut must equal tokenizer.decode on any ids: special tokens, multi-byte
+    characters cut mid-sequence, random ids."""
+    rng = random.Random(7)
+    decode = decoder_for(tok)
+    cases = [enc(tok, MULTIBYTE), enc(tok, MULTIBYTE)[:7], SPECIAL_IDS + enc(tok, "a b") + SPECIAL_IDS[::-1], []]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))] for _ in range(200)]
+    for ids in cases:
+        assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_fast_decoder_keeps_the_slow_path_when_spaces_are_cleaned_up(tok):
+    class CleansUp:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = tok.backend_tokenizer
+
+        def decode(self, ids, skip_special_tokens):
+            return "cleaned"
+    assert decoder_for(CleansUp())([5, 6], True) == "cleaned"

@@ -7,6 +7,7 @@ window's text past the context. Cost per step depends on the chunk sizes, not on
 from __future__ import annotations
 
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import decoder_for
 
 # Prompt tokens used as context for the first generated token (upstream uses the same number).
 _PROMPT_CONTEXT = 5
@@ -22,7 +23,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.tokenizer = tokenizer
+        self.decode_ids = decoder_for(tokenizer)
         self.params = params
         self.stop: list[str] = list(params.stop or [])
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -53,7 +54,7 @@ class IncrementalDetokenizer:
         return self._text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self.decode_ids(ids, self.params.skip_special_tokens)
 
     def _decode_new(self) -> str:
         """Text that the ids added since the last call complete, as upstream's detokenize_incrementally does."""

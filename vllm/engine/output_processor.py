@@ -14,6 +14,7 @@ from vllm.core.request import Request, RequestStatus
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.transformers_utils.tokenizer import decoder_for
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class ParentState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.decode_ids = decoder_for(tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.child_parent: dict[str, tuple[str, int]] = {}
         self.num_generation_tokens = 0  # tokens of every finished request (aborted ones too), for metrics
@@ -189,9 +191,9 @@ class OutputProcessor:
                              completions, finished, parent.metrics, error=parent.error)
 
     def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
-        out = {ids[0]: Logprob(lps[0], rank, self.tokenizer.decode([ids[0]]))}
+        out = {ids[0]: Logprob(lps[0], rank, self.decode_ids([ids[0]], False))}
         for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            out.setdefault(tid, Logprob(lp, r, self.tokenizer.decode([tid])))
+            out.setdefault(tid, Logprob(lp, r, self.decode_ids([tid], False)))
         return out
 
 

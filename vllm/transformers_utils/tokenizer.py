@@ -1,6 +1,7 @@
 """Tokenizer loading through transformers' AutoTokenizer, from the model directory or another one."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import transformers
@@ -37,3 +38,13 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, path: str | Path, model_voca
         raise CheckpointError(f"the tokenizer in {path} has {size} tokens but the model's vocab_size is "
                               f"{model_vocab_size}: its ids would index past the embedding; use the model's own "
                               "tokenizer (--tokenizer DIR)")
+
+
+def decoder_for(tokenizer) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` giving exactly tokenizer.decode's text. For a fast tokenizer without
+    clean-up of tokenization spaces that is its Rust backend's decode: transformers' wrapper around it costs
+    ~60 us a call in argument checks, and the detokenizer calls it for every request every step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -97,20 +97,21 @@ class InputBatch:
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
         positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
-        table, self.new_blocks = self.block_table.np, []
-        for r, s in enumerate(scheduled):
-            rid = s.request.request_id
+        table, row_lists, row_blocks, self.new_blocks = self.block_table.np, self.row_lists, self.row_blocks, []
+        rids = [s.request.request_id for s in scheduled]
+        for r, rid in enumerate(rids):
             blocks = kv.block_ids(rid)
             key = (rid, kv.block_list_id(rid))
-            start = self.row_blocks[r] if self.row_lists[r] == key else 0
+            start = row_blocks[r] if row_lists[r] == key else 0
             if len(blocks) > start:
                 table[r, start:len(blocks)] = blocks[start:]
                 self.new_blocks.append((r, start, len(blocks)))
-            self.row_lists[r], self.row_blocks[r] = key, len(blocks)
-            self.state_indices.np[r] = kv.state_slots(rid)
-            self.num_accepted.np[r] = s.request.num_accepted_tokens
-            self.num_draft_tokens[r] = s.num_draft_tokens
-            self.is_prefilling_np[r] = s.is_prefilling
+                row_lists[r], row_blocks[r] = key, len(blocks)
+        # Per-row columns in one numpy write each: an element write into a tensor costs microseconds.
+        self.state_indices.np[:n_reqs] = [kv.state_slots(rid) for rid in rids]
+        self.num_accepted.np[:n_reqs] = [s.request.num_accepted_tokens for s in scheduled]
+        self.num_draft_tokens.numpy()[:n_reqs] = [s.num_draft_tokens for s in scheduled]
+        self.is_prefilling_np[:n_reqs] = [s.is_prefilling for s in scheduled]
         if kv.needs_blocks:
             block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
             self.slot_mapping.np[:T] = block_ids * bs + positions % bs
