@@ -326,3 +326,30 @@ def test_penalised_greedy_is_batch_and_preemption_invariant(make_llm):
     outs = tiny.generate(batch, pen, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0 and token_ids(outs) == alone
     assert not tiny.llm_engine.penalties.rows, "rows of finished requests are freed"
+
+
+def test_sampling_metadata_is_reused_only_for_the_same_requests(make_llm, monkeypatch):
+    """Decode steps over the same requests reuse their sampling tensors; a later request that reuses an id gets
+    its own (its tokens are those of a fresh engine)."""
+    from vllm.sample.sampler import SamplingMetadata
+    llm, fresh = make_llm(), make_llm()
+    built = []
+    real = SamplingMetadata.from_requests.__func__
+    monkeypatch.setattr(SamplingMetadata, "from_requests",
+                        classmethod(lambda cls, *a, **k: built.append(1) or real(cls, *a, **k)))
+    engine = llm.llm_engine
+
+    def run(rid, prompt, params):
+        engine.add_request(rid, prompt, params)
+        steps, done = 0, None
+        while engine.has_unfinished_requests():
+            steps += 1
+            done = next((o for o in engine.step() if o.finished), done)
+        return steps, done.outputs[0].token_ids
+
+    p = prompts([9])[0]
+    steps, _ = run("x", p, GREEDY)
+    assert steps >= 12 and len(built) <= 2, (steps, len(built))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    _, tokens = run("x", p, seeded)
+    assert tokens == token_ids(fresh.generate([p], seeded, use_tqdm=False))[0]

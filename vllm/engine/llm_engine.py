@@ -22,6 +22,7 @@ from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.spec_decode.ngram import NgramProposer
+from vllm.utils import async_tensor_h2d
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
 from vllm.worker.input_batch import InFlightTokens
 from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
@@ -53,6 +54,8 @@ class LLMEngine:
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        # Per kind of row ("sample", "verify"): the last step's request ids and the metadata built for them.
+        self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
 
     @classmethod
@@ -164,8 +167,9 @@ class LLMEngine:
         in_flight = self.in_flight[1].in_flight_tokens if self.in_flight is not None else None
         try:
             sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids],
-                                               in_flight)
-            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids], in_flight)
+                                               in_flight, "sample")
+            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids], in_flight,
+                                                    "verify")
             launched = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling, in_flight)
         except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
             outputs += self._drain()
@@ -251,16 +255,28 @@ class LLMEngine:
         """Engine-wide speculative-decoding counters since start (None without speculation)."""
         return self.scheduler.spec_stats
 
-    def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None) -> SamplingMetadata | None:
+    def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None,
+                           kind: str) -> SamplingMetadata | None:
+        """The rows' sampling metadata. Without bans or penalties it depends only on which requests the rows are,
+        so a decode step with the same request objects as the last step of this `kind` reuses its device tensors
+        (objects, not ids: an id may be reused by a later request)."""
         if not reqs:
             return None
+        cached = self._sampling_cache.get(kind)
+        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
+            return cached[1]
         # The row samples its output number len(outputs) + placeholders (the step's own placeholder included).
         banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
                   if len(r.output_token_ids) + r.num_output_placeholders <= r.sampling_params.min_tokens else []
                   for r in reqs]
-        return SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
+        meta = SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
                                               banned, self.config.model_config.device,
                                               self._penalty_counts(reqs, in_flight))
+        if meta.no_penalties and not any(banned):
+            self._sampling_cache[kind] = (reqs, meta)
+        else:
+            self._sampling_cache.pop(kind, None)
+        return meta
 
     def _penalty_counts(self, reqs: list[Request],
                         in_flight: InFlightTokens | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -271,7 +287,7 @@ class LLMEngine:
         counts, seen = self.penalties.gather([reqs[i] for i in used], in_flight)
         if len(used) == len(reqs):
             return counts, seen
-        index = torch.tensor(used, device=counts.device)
+        index = async_tensor_h2d(used, torch.int64, counts.device)
         return (counts.new_zeros(len(reqs), counts.shape[1]).index_copy_(0, index, counts),
                 seen.new_zeros(len(reqs), seen.shape[1]).index_copy_(0, index, seen))
 
