@@ -22,8 +22,8 @@ from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.spec_decode.ngram import NgramProposer
-from vllm.utils import async_tensor_h2d
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
+from vllm.utils import async_tensor_h2d
 from vllm.worker.input_batch import InFlightTokens
 from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
@@ -54,7 +54,7 @@ class LLMEngine:
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
-        # Per kind of row ("sample", "verify"): the last step's request ids and the metadata built for them.
+        # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
 

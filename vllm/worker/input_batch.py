@@ -1,7 +1,8 @@
 """Persistent host/device buffers that one step's inputs are written into (never reallocated).
 
-Host copies are numpy views of (pinned, on CUDA) CPU tensors; each step writes them and issues one copy per
-buffer to the device. Graph capture (later) relies on the device tensors never moving.
+Host copies are numpy views of (pinned, on CUDA) CPU tensors; each step writes them and queues one copy per
+buffer to the device (the block table: only the entries the step adds). Graph capture relies on the device
+tensors never moving.
 """
 from __future__ import annotations
 
