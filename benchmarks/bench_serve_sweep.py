@@ -8,9 +8,10 @@ Writes the checkpoint bench_offline_throughput.py writes (same --config and --se
 `vllm serve` on it (its defaults, plus --serve-args), and runs bench_serve.py against it once per concurrency:
 4 x concurrency requests (at least 16), all sent at once, at most `concurrency` in flight, greedy, exactly
 --output-len tokens each, with logprobs=0 so that every token comes in a chunk (bench_serve.py --every-token:
-most ids of a random model decode to no text with the built-in tokenizer). With --offline-json (a result of bench_offline_throughput.py from the same machine
-and checkpoint), the served output throughput at each concurrency is set against the offline figure at that
-batch size. Writes JSON (each level's bench_serve summary) and a PNG of TTFT, TPOT and throughput.
+most ids of a random model decode to no text with the built-in tokenizer). With --offline-json (a result of
+bench_offline_throughput.py from the same machine and checkpoint), the served output throughput at each
+concurrency is set against the offline figure at that batch size. Writes JSON (each level's bench_serve
+summary) and a PNG of TTFT, TPOT and throughput.
 """
 from __future__ import annotations
 
