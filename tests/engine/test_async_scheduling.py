@@ -3,6 +3,8 @@ synchronous engine's outputs: with chunked prefill, late arrivals, preemption, s
 land while a step is in flight, penalties, min_tokens, logprobs and seeded sampling; and leaks nothing."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -176,7 +178,7 @@ def test_a_faulty_step_fails_only_its_request_with_a_step_in_flight(engines, mon
     assert overlapped["steps"] > 0
 
 
-def test_async_scheduling_defaults_and_refusals(tmp_path):
+def test_async_scheduling_defaults_and_refusals():
     from vllm.engine.arg_utils import EngineArgs
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert EngineArgs(device="cpu").create_engine_config().scheduler_config.async_scheduling is False
@@ -184,3 +186,8 @@ def test_async_scheduling_defaults_and_refusals(tmp_path):
         EngineArgs(device="cpu", async_scheduling=True, speculative_config=ngram).create_engine_config()
     with pytest.raises(ValueError, match="async_scheduling must be true, false or unset"):
         EngineArgs(device="cpu", async_scheduling="yes").create_engine_config()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for argv, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        args = EngineArgs.from_cli_args(parser.parse_args(argv))
+        assert args.async_scheduling is want
+    assert EngineArgs(device="cpu", async_scheduling=True).create_engine_config().scheduler_config.async_scheduling
