@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import matplotlib
 import torch
 
@@ -39,29 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve
 from bench_common import metadata, write_json
 from bench_offline_throughput import build_checkpoint
-
-
-def start_server(model_dir: Path, extra: list[str], timeout: float) -> tuple[subprocess.Popen, str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--disable-log-requests", "--uvicorn-log-level", "warning", *extra]
-    print("+", shlex.join(cmd), flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return proc, url, time.monotonic() - t0
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"vllm serve did not become healthy within {timeout} s")
+from fuzz_server import start_server
 
 
 def plot(levels: list[dict], meta: dict, title: str, png: Path) -> None:
@@ -114,7 +89,9 @@ def main() -> None:
             offline[row["batch_size"]] = row["ours"]["tokens_per_s"]
     serve_flags = ["--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed), "--max-model-len",
                    str(P + O + 8), "--max-num-seqs", str(max(levels)), *shlex.split(args.serve_args)]
-    proc, url, startup_s = start_server(tmp, serve_flags, args.startup_timeout)
+    t0 = time.monotonic()
+    proc, url = start_server([str(tmp), *serve_flags], api_key=None, timeout=args.startup_timeout)
+    startup_s = time.monotonic() - t0
     print(f"server healthy after {startup_s:.1f} s", flush=True)
     results = []
     try:

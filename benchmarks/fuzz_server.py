@@ -186,26 +186,28 @@ async def _health_during_huge_prompt(client: httpx.AsyncClient) -> float:
     return worst
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(extra: list[str], api_key: str | None = KEY, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`vllm serve` on a free loopback port with `extra` flags, once /health answers; (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    auth = ["--api-key", api_key] if api_key is not None else []
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--api-key", KEY, "--disable-log-requests", "--uvicorn-log-level", "warning", *extra]
+           *auth, "--disable-log-requests", "--uvicorn-log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("vllm serve did not become healthy")
+    raise RuntimeError(f"vllm serve did not become healthy within {timeout} s")
 
 
 def main() -> int:

@@ -320,7 +320,7 @@ def test_penalised_greedy_is_batch_and_preemption_invariant(make_llm):
                           presence_penalty=0.5, frequency_penalty=0.3), GREEDY] * 2
     llm = make_llm()
     alone = [token_ids(llm.generate([p], s, use_tqdm=False))[0] for p, s in zip(batch, pen)]
-    assert llm.llm_engine.penalties.output_counts.shape[0] > 0, "the penalised rows went through the store"
+    assert llm.llm_engine.penalties.output_counts.shape[0] > 1, "the penalised rows went through the store"
     assert token_ids(llm.generate(batch, pen, use_tqdm=False)) == alone
     tiny = make_llm(num_gpu_blocks_override=5, max_model_len=64, max_num_batched_tokens=32)
     outs = tiny.generate(batch, pen, use_tqdm=False)

@@ -293,4 +293,9 @@ def test_penalty_counts_follow_new_tokens_and_reuse_rows():
     assert store.rows["c"] == row_a and counts.sum() == 0 and seen[0].nonzero().flatten().tolist() == [9]
     for i in range(20):  # more requests than rows: the store grows
         store.gather([SimpleNamespace(request_id=f"x{i}", prompt_token_ids=[i], output_token_ids=[i])])
-    assert len(store.rows) == 22 and store.output_counts.shape[0] >= 22
+    assert len(store.rows) == 22 and store.output_counts.shape[0] >= 23
+    # An unpenalised row of a batch reads the zero row, which no request ever gets, however many came before.
+    d = SimpleNamespace(request_id="d", prompt_token_ids=[4], output_token_ids=[4, 4])
+    counts, seen = store.gather([None, d, None])
+    assert counts[1, 4] == 2 and seen[1, 4] and counts[[0, 2]].sum() == 0 and not seen[[0, 2]].any()
+    assert 0 not in store.rows.values()

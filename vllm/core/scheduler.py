@@ -67,11 +67,12 @@ class Scheduler:
         return len(self.requests)
 
     @property
-    def has_suspect(self) -> bool:
-        return any(r.suspect for r in (*self.running, *self.waiting))
+    def suspect(self) -> Request | None:
+        """The first request in a failed step that has not sampled since (see LLMEngine._contain)."""
+        return next((r for r in (*self.running, *self.waiting) if r.suspect), None)
 
     def schedule(self) -> SchedulerOutput:
-        suspect = next((r for r in (*self.running, *self.waiting) if r.suspect), None)
+        suspect = self.suspect
         if suspect is not None:
             return self._schedule_alone(suspect)
         out = SchedulerOutput()

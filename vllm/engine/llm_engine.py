@@ -23,7 +23,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.spec_decode.ngram import NgramProposer
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
-from vllm.utils import async_tensor_h2d
 from vllm.worker.input_batch import InFlightTokens
 from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
@@ -146,7 +145,7 @@ class LLMEngine:
         """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans or
         logprobs: requests asking for those decode one token per step."""
         return self.proposer is not None and params.logprobs is None and params.prompt_logprobs is None \
-            and params.min_tokens == 0 and not _has_penalty(params)
+            and params.min_tokens == 0 and not params.has_penalties
 
     def has_unfinished_requests(self) -> bool:
         """Requests left, or a step in flight whose outputs are not processed yet."""
@@ -158,7 +157,7 @@ class LLMEngine:
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
         outputs = []
-        if self.in_flight is not None and self.scheduler.has_suspect:
+        if self.in_flight is not None and self.scheduler.suspect is not None:
             outputs = self._drain()  # a suspect runs alone, with nothing else in flight
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -280,17 +279,8 @@ class LLMEngine:
 
     def _penalty_counts(self, reqs: list[Request],
                         in_flight: InFlightTokens | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The penalised rows' device-side token counts (zero rows for the others), None if no row has one."""
-        used = [i for i, r in enumerate(reqs) if _has_penalty(r.sampling_params)]
-        if not used:
+        """The rows' device-side token counts (zero rows for unpenalised ones), None if no row has a penalty."""
+        rows = [r if r.sampling_params.has_penalties else None for r in reqs]
+        if not any(rows):
             return None
-        counts, seen = self.penalties.gather([reqs[i] for i in used], in_flight)
-        if len(used) == len(reqs):
-            return counts, seen
-        index = async_tensor_h2d(used, torch.int64, counts.device)
-        return (counts.new_zeros(len(reqs), counts.shape[1]).index_copy_(0, index, counts),
-                seen.new_zeros(len(reqs), seen.shape[1]).index_copy_(0, index, seen))
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        return self.penalties.gather(rows, in_flight)

@@ -4,7 +4,8 @@ Repetition penalties look at every prompt and output token of a request, presenc
 every output token. Rebuilding those counts from the token lists each step cost time in the context length
 (65 ms a step at 256 requests x 4K tokens on a CPU). Here a request that uses a penalty gets a row once: its
 prompt's tokens are marked when it first samples and each step adds only the tokens it generated since, so a
-step's host work is the new tokens. Rows are reused after their request finishes.
+step's host work is the new tokens. Rows are reused after their request finishes. Row 0 stays zero: the
+row an unpenalised request of a batch reads.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Protocol
 import torch
 
 from vllm.utils import async_tensor_h2d
+
+ZERO_ROW = 0  # never claimed: all counts and marks stay zero
 
 
 class TokenHistory(Protocol):
@@ -28,16 +31,19 @@ class PenaltyCounts:
         self.rows: dict[str, int] = {}
         self.counted: dict[str, int] = {}  # output tokens already in the row
         self.free: list[int] = []
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=self.device)
-        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=self.device)
+        self.prompt_seen = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)
 
-    def gather(self, requests: Sequence[TokenHistory],
+    def gather(self, requests: Sequence[TokenHistory | None],
                in_flight: tuple[torch.Tensor, dict[str, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' rows, brought up to date: output-token counts [B, V] float32 and prompt-token marks
-        [B, V] bool, in the requests' order. `in_flight`: the device tokens of a step still running and each
-        request's row in them; a request's token there is counted now, from the device."""
+        [B, V] bool, in the requests' order (None: a zero row). `in_flight`: the device tokens of a step still
+        running and each request's row in them; a request's token there is counted now, from the device."""
         rows, new_rows, new_cols, flight_rows, flight_index = [], [], [], [], []
         for req in requests:
+            if req is None:
+                rows.append(ZERO_ROW)
+                continue
             rid = req.request_id
             row = self.rows.get(rid)
             if row is None:

@@ -48,8 +48,7 @@ class SamplingMetadata:
             if len(value) != len(params):
                 raise ValueError(f"{name} has {len(value)} rows but there are {len(params)} SamplingParams; "
                                  "pass one entry per sampling request, in the same order")
-        no_penalties = all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-                           for p in params)
+        no_penalties = not any(p.has_penalties for p in params)
         if not no_penalties and penalty_counts is None:
             raise ValueError("a row has a penalty: pass its token counts (penalty_counts, see sample/penalties.py)")
 
