@@ -32,6 +32,9 @@ def plot(path: Path) -> Path:
     if "kda_decode" in path.name:
         panels = _panels(res, ("state_dtype", "heads"), "batch", _pct_bw)
         xlabel, ylabel, logx = "batch (requests)", f"% of {data['pct_basis_gbps']:.0f} GB/s copy BW (state r+w)", True
+    elif "fused_moe" in path.name:
+        panels = _panels(res, ("shape",), "tokens", lambda r: r["us"]["median"], series_key="impl")
+        xlabel, ylabel, logx = "tokens", "us per MoE layer (median)", True
     elif "kda_prefill" in path.name:
         panels = _panels(res, ("heads",), "tokens", lambda r: r["ms"]["median"])
         xlabel, ylabel, logx = "prompt tokens", "ms (median)", True
@@ -50,6 +53,8 @@ def plot(path: Path) -> Path:
         ax.set_title(", ".join(map(str, key)))
         if logx:
             ax.set_xscale("log", base=2)
+        if "fused_moe" in path.name:
+            ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 # The graph pool measured on the largest graph, with room for the other graphs' executable state.
 GRAPH_MEMORY_MARGIN = 1.2
 GRAPH_MEMORY_SLACK_BYTES = 64 << 20
-# Default graphs only for MoEs this narrow: in a graph every expert runs on every token (moe.py).
-EVERY_EXPERT_GRAPH_LIMIT = 64
 
 
 # (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run)
@@ -161,14 +159,6 @@ class ModelRunner:
         """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
         cc = self.config.compilation_config
         requested = CUDAGraphMode(cc.resolved_mode(self.device))
-        experts = self.hf_config.num_experts if self.hf_config.moe_layer_freq and self.hf_config.num_experts else 0
-        if cc.cudagraph_mode is None and requested is not CUDAGraphMode.NONE and experts > EVERY_EXPERT_GRAPH_LIMIT:
-            # Inside a graph the MoE runs every expert on every token (routing cannot reach the host there): fine
-            # for tens of experts, far too slow for hundreds. Asked for explicitly, graphs are still captured.
-            logger.warning("CUDA graphs off by default: the MoE has %d experts and its graph path computes all of "
-                           "them per token; ask for them with --compilation-config '{\"cudagraph_mode\": "
-                           "\"FULL_DECODE_ONLY\"}'", experts)
-            return CUDAGraphMode.NONE
         if requested is CUDAGraphMode.FULL and self.kda_builder is not None:
             # The KDA prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a
             # prompt chunk cannot replay; decode and verify batches still can.

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
+from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 
@@ -21,13 +22,6 @@ def gated_activation(config: KimiK3TextConfig):
 def capturing_graph(x: torch.Tensor) -> bool:
     """Whether x's stream is being captured into a CUDA graph, where group sizes cannot reach the host."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-# On a GPU, below this many (token, expert) pairs computing every expert on every token (three batched matmuls,
-# no host sync) is cheaper than grouping tokens by expert (a host sync and ~10 launches per expert): at 32
-# experts of the 1.3B benchmark config that is prefill chunks up to 2K tokens, about 0.7 ms of matmuls on an H200
-# against ~3 ms of launches. The fused MoE kernel of the kernels issue replaces both.
-EVERY_EXPERT_MAX_PAIRS = 65536
 
 
 class KimiMLP(nn.Module):
@@ -100,13 +94,15 @@ class KimiMoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(R, eps=config.rms_norm_eps)
         if config.num_shared_experts:
             self.shared_experts = KimiMLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
+        self.activation = MoEActivation(config.hidden_act, config.activation_situ_beta,
+                                        config.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
-        if capturing_graph(u) or (u.is_cuda and u.shape[0] * len(self.experts) <= EVERY_EXPERT_MAX_PAIRS):
-            y = self._routed_every_expert(u, weights, ids)
+        if (u.is_cuda or capturing_graph(u)) and fused_moe_unsupported(u) is None:
+            y = self._routed_fused(u, weights, ids)
         else:
             y = self._routed_by_expert(u, weights, ids)
         y = y.to(x.dtype)
@@ -119,8 +115,9 @@ class KimiMoE(nn.Module):
         return y
 
     def _routed_by_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each expert on the tokens that chose it. Groups (token, expert) pairs by expert: one host sync per
-        layer for the group sizes."""
+        """Each expert on the tokens that chose it, one expert at a time: the torch reference, and the CPU path.
+        Reads the group sizes on the host (a sync per layer), so it is never used on a GPU where the fused
+        kernels run."""
         y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
         order = ids.flatten().argsort()
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
@@ -135,7 +132,7 @@ class KimiMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Stacks the experts' weights into one [E, 2I, in] gate/up and one [E, in, I] down tensor and makes each
-        expert's parameters views into them (no second copy), for the batched every-expert path."""
+        expert's parameters views into them (no second copy), for the fused kernels."""
         inter = self.experts[0].w1.out_features
         self.w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in self.experts])
         self.w2 = torch.stack([e.w2.weight.data for e in self.experts])
@@ -143,17 +140,10 @@ class KimiMoE(nn.Module):
             e.w1.weight.data, e.w3.weight.data = self.w13[i, :inter], self.w13[i, inter:]
             e.w2.weight.data = self.w2[i]
 
-    def _routed_every_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Inside a CUDA graph capture group sizes cannot reach the host, so every expert runs on every token
-        and a token keeps the outputs of the experts it chose, weighted. Three batched matmuls over the stacked
-        weights: a loop over experts put ~10 small kernels per expert into the graph, and replaying those
-        thousands of nodes cost more than the matmuls (H200, 32 experts: 8 ms of a 10 ms decode step). Meant for
-        decode-sized batches, where reading every expert's weights once dominates."""
+    def _routed_fused(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts only, over tokens sorted by expert on the device (layers/fused_moe): no host sync,
+        so the same path runs eagerly, in CUDA graphs and in prefill chunks."""
         if not hasattr(self, "w13"):
-            raise RuntimeError("KimiMoE.process_weights_after_loading() must stack the experts before the "
-                               "every-expert path runs")
-        E, inter = self.w13.shape[0], self.w13.shape[1] // 2
-        dense = torch.zeros(u.shape[0], E, dtype=torch.float32, device=u.device).scatter_(1, ids, weights)
-        gate_up = torch.bmm(u.unsqueeze(0).expand(E, -1, -1), self.w13.transpose(1, 2))
-        out = torch.bmm(self.experts[0].act(gate_up[..., :inter], gate_up[..., inter:]), self.w2.transpose(1, 2))
-        return torch.bmm(dense.unsqueeze(1), out.transpose(0, 1).float()).squeeze(1)
+            raise RuntimeError("KimiMoE.process_weights_after_loading() must stack the experts before the fused "
+                               "MoE runs")
+        return fused_experts(u, self.w13, self.w2, weights, ids, self.activation)

@@ -1,0 +1,166 @@
+"""The fused MoE (layers/fused_moe) against torch references: on CPU through the Triton interpreter, on CUDA for real.
+
+The reference is a float64 loop over every (token, chosen expert) pair; bf16 runs are held to the error that
+the torch bf16 expert loop (KimiMoE._routed_by_expert) makes against the same reference, so the tolerance is
+the dtype's, not a guess. Routings are fresh random top-k draws, plus the degenerate ones (every pair on one
+expert, one token, no token).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, moe_align_block_size
+from vllm.model_executor.models.kimi_k3 import moe as moe_module
+from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.model_executor.models.kimi_k3.moe import KimiMoE
+from vllm.tools.make_tiny_model import tiny_text_config
+
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                        reason="CPU tensors run through the Triton interpreter")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
+ACTIVATIONS = [MoEActivation("silu"), MoEActivation("situ", 4.0, 25.0)]
+
+
+def random_routing(T: int, E: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k)
+    return torch.rand(T, k, generator=gen), ids.long()
+
+
+def reference(x, w13, w2, weights, ids, act: MoEActivation) -> torch.Tensor:
+    x, w13, w2, weights = (t.double().cpu() for t in (x, w13, w2, weights))
+    inter = w13.shape[1] // 2
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t, j in torch.cartesian_prod(torch.arange(ids.shape[0]), torch.arange(ids.shape[1])).tolist():
+        e = int(ids[t, j])
+        g, u = (w13[e] @ x[t]).split(inter)
+        if act.name == "situ":
+            a = (act.situ_beta * torch.tanh(g / act.situ_beta) * torch.sigmoid(g)
+                 * act.situ_linear_beta * torch.tanh(u / act.situ_linear_beta))
+        else:
+            a = torch.nn.functional.silu(g) * u
+        y[t] += weights[t, j] * (w2[e] @ a)
+    return y
+
+
+def make_experts(E, D, inter, dtype, device, gen):
+    w13 = (0.3 * torch.randn(E, 2 * inter, D, generator=gen)).to(device=device, dtype=dtype)
+    w2 = (0.3 * torch.randn(E, D, inter, generator=gen)).to(device=device, dtype=dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 8, 2, 16), (7, 8, 8, 16), (37, 16, 3, 16), (300, 8, 2, 64),
+                                           (5, 512, 6, 16), (64, 4, 1, 32)])
+def test_align_groups_every_pair_once_by_expert(device, T, E, k, block_m):
+    gen = torch.Generator().manual_seed(T * 1000 + E)
+    _, ids = random_routing(T, E, k, gen)
+    sorted_pairs, block_expert, num_padded = moe_align_block_size(ids.to(device, torch.int32), block_m, E)
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    flat, n = ids.flatten(), T * k
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(num_padded.item()) == int(padded.sum()), "rows in use are each expert's count, padded to a block"
+    assert block_expert.numel() * block_m >= int(padded.sum()), "the grid bound covers this routing"
+    used = sorted_pairs[:int(padded.sum())]
+    start = 0
+    for e in range(E):
+        run = used[start:start + int(padded[e])]
+        real = run[:int(counts[e])]
+        assert real.tolist() == (flat == e).nonzero().flatten().tolist(), f"expert {e}'s pairs, in pair order"
+        assert (run[int(counts[e]):] == n).all(), "an expert's padding rows hold the no-pair sentinel"
+        assert (block_expert[start // block_m:(start + int(padded[e])) // block_m] == e).all()
+        start += int(padded[e])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T,E,k", [(1, 8, 1), (5, 8, 2), (40, 16, 4), (3, 512, 8), (300, 8, 2), (70, 8, 8)])
+def test_fused_experts_match_the_reference(device, act, dtype, T, E, k):
+    """Covers every tile family of pick_config: decode-sized (<= 16 pairs per expert), mid and prefill-sized."""
+    gen = torch.Generator().manual_seed(T + 7 * E + k)
+    D, inter = (64, 32) if device == "cpu" else (2048, 704)
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    w13, w2 = make_experts(E, D, inter, dtype, device, gen)
+    weights, ids = random_routing(T, E, k, gen)
+    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), act)
+    assert y.dtype == torch.float32 and y.shape == (T, D)
+    ref = reference(x, w13, w2, weights, ids, act)
+    err = (y.double().cpu() - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-4 * max(1.0, ref.abs().max().item()), err
+    else:
+        loop = KimiMoE(KimiK3TextConfig.from_dict({**tiny_text_config("kimi_linear"), "hidden_size": D,
+                                                   "moe_intermediate_size": inter, "num_experts": E,
+                                                   "num_experts_per_token": k, "hidden_act": act.name,
+                                                   "num_shared_experts": 0})).to(device=device, dtype=dtype)
+        for i, expert in enumerate(loop.experts):
+            expert.w1.weight.data, expert.w3.weight.data = w13[i].split(inter)
+            expert.w2.weight.data = w2[i]
+        torch_err = (loop._routed_by_expert(x, weights.to(device), ids.to(device)).double().cpu() - ref).abs().max()
+        # The interpreter's fp32 -> bf16 casts truncate (GPUs round to nearest even), a biased error the kernels
+        # make twice per pair (activation, expert output): 1.4-3.5x torch's error here on the CPU.
+        factor = 4 if device == "cpu" else 2
+        assert err <= factor * torch_err.item() + 1e-3, (err, torch_err.item())
+    assert ref.abs().min() > 0, "every token's output is non-zero: the check compares real values"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_degenerate_routings(device):
+    gen = torch.Generator().manual_seed(3)
+    D, inter, E = 32, 16, 8
+    w13, w2 = make_experts(E, D, inter, torch.float32, device, gen)
+    x = torch.randn(9, D, generator=gen).to(device)
+    weights = torch.rand(9, 2, generator=gen)
+    same = torch.tensor([[5, 2]] * 9)  # every token on the same two experts: one expert's run spans blocks
+    y = fused_experts(x, w13, w2, weights.to(device), same.to(device), ACTIVATIONS[0])
+    torch.testing.assert_close(y.double().cpu(), reference(x, w13, w2, weights, same, ACTIVATIONS[0]),
+                               rtol=1e-4, atol=1e-4)
+    empty = fused_experts(x[:0], w13, w2, weights[:0].to(device), same[:0].to(device), ACTIVATIONS[0])
+    assert empty.shape == (0, D)
+
+
+def test_unsupported_dtype_is_refused_by_name():
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        fused_experts(x, torch.randn(4, 8, 8, dtype=torch.float64), torch.randn(4, 8, 4, dtype=torch.float64),
+                      torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="'gelu'"):
+        MoEActivation("gelu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,groups", [("k3", 1), ("k3", 2), ("kimi_linear", 1)])
+def test_moe_layer_takes_the_fused_path_and_matches_the_expert_loop(device, kind, groups, monkeypatch):
+    """The whole block (router, grouped top-k, K3's latent MoE and its norm, shared experts) through the fused
+    kernels equals it through the torch expert loop."""
+    torch.manual_seed(groups)
+    cfg = tiny_text_config(kind)
+    if groups > 1:
+        cfg.update(num_expert_group=groups, topk_group=1)
+    moe = KimiMoE(KimiK3TextConfig.from_dict(cfg)).to(device)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    moe.process_weights_after_loading()
+    assert moe.experts[1].w3.weight.data_ptr() == moe.w13[1, moe.w13.shape[1] // 2:].data_ptr(), \
+        "the experts' parameters are views into the stacked weights, not copies"
+    x = torch.randn(11, cfg["hidden_size"], device=device)
+    _, ids = moe.gate(x)
+    assert len(set(ids.flatten().tolist())) > 1, "the routing spreads over several experts"
+    if groups > 1:
+        per_group = cfg["num_experts"] // groups
+        assert all(len({e // per_group for e in row}) == 1 for row in ids.tolist()), "topk_group=1 keeps one group"
+    calls = []
+    fused = moe._routed_fused
+    monkeypatch.setattr(moe, "_routed_fused", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(moe_module, "capturing_graph", lambda t: True)  # as under capture: CPU takes the kernels
+    y_fused = moe(x)
+    monkeypatch.undo()
+    y_loop = moe._routed_by_expert  # the reference path, called through the same forward
+    monkeypatch.setattr(moe, "_routed_fused", y_loop)
+    y_ref = moe(x)
+    assert calls == [1], "the fused kernels ran"
+    torch.testing.assert_close(y_fused, y_ref, rtol=1e-4, atol=1e-4)

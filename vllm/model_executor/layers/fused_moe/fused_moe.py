@@ -1,0 +1,151 @@
+"""fused_experts: the routed experts of a MoE layer as three Triton launches that read only the chosen experts.
+
+1. `moe_align_block_size`: the (token, expert) pairs grouped by expert on the device (one launch);
+2. gate/up GEMM with the gated activation fused, over the sorted pairs (one launch);
+3. down GEMM scaled by the routing weights (one launch), then a sum over each token's top_k rows.
+
+No step reads a tensor on the host and every grid is sized from shapes alone, so the same path serves eager
+steps, CUDA graphs and prefill chunks of any size; the old every-expert-on-every-token graph path read all
+experts' weights every step and the per-expert loop synced per layer.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from vllm.model_executor.layers.fused_moe import kernels
+    _IMPORT_ERROR = None
+except ImportError as e:  # fused_moe_unsupported() reports it; CPU installs route experts with torch
+    kernels, _IMPORT_ERROR = None, e
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ALIGN_CHUNK = 1024
+_DEFAULT_NUM_SMS = 132  # H100/H200, for tiles picked where no GPU is visible (the interpreter)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEActivation:
+    """The experts' gated activation: "silu" (Kimi-Linear) or "situ" (Kimi-K3, with its two soft caps)."""
+    name: str = "silu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("silu", "situ"):
+            raise ValueError(f"fused MoE activation {self.name!r} is not supported; expected 'silu' or 'situ'")
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def fused_moe_unsupported(x: torch.Tensor) -> str | None:
+    """Why the fused kernels cannot run on x (None when they can)."""
+    if _IMPORT_ERROR is not None:
+        return f"fused MoE needs triton, which failed to import: {_IMPORT_ERROR}"
+    if x.dtype not in _SUPPORTED_DTYPES:
+        return f"fused MoE needs bfloat16, float16 or float32 activations, got {x.dtype}"
+    return None
+
+
+def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_sms: int
+                ) -> tuple[GemmConfig, GemmConfig]:
+    """Tiles for the gate/up GEMM (N = inter) and the down GEMM (N = hidden), with one BLOCK_M: both read the
+    same sorted layout. Chosen by the sweep of benchmarks/kernels/bench_fused_moe.py on the H200.
+
+    Decode-sized routings (a few pairs per expert) are bandwidth-bound: BLOCK_M 16 wastes few padded rows, and
+    BLOCK_N narrows (down to 32 / 64) until the chosen experts' weights spread over about two programs per SM:
+    at one token of the 1.3B config that took the step from 26 to 20 us. Prefill-sized routings are
+    compute-bound and take the biggest tiles that fit (8,192 tokens: 746 us against 876 with 64-row tiles)."""
+    if num_pairs <= 16 * num_experts:
+        active_blocks = min(num_pairs, num_experts)
+
+        def narrow(n: int, widest: int, narrowest: int) -> int:
+            block_n = widest
+            while block_n > narrowest and active_blocks * _cdiv(n, block_n) < 2 * num_sms:
+                block_n //= 2
+            return block_n
+        return (GemmConfig(16, narrow(inter, 64, 32), 128, 4, 4),
+                GemmConfig(16, narrow(hidden, 128, 64), 128, 4, 4))
+    if num_pairs <= 64 * num_experts:
+        return GemmConfig(32, 64, 64, 4, 4), GemmConfig(32, 128, 64, 4, 4)
+    return GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert, each expert's run padded to whole BLOCK_M blocks.
+
+    Returns (sorted_pairs [max_blocks * block_m] int32, pair ids with num_pairs as padding; block_expert
+    [max_blocks] int32; num_padded [1] int32, the rows in use). max_blocks is the most any routing of these
+    shapes can need: every expert with pairs wastes less than one block."""
+    ids = topk_ids.flatten()
+    num_pairs = ids.numel()
+    max_blocks = _cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    kernels._align_kernel[(num_experts,)](
+        ids, sorted_pairs, block_expert, num_padded, num_pairs, num_experts, BLOCK_M=block_m,
+        E_POW2=_next_power_of_2(num_experts), CHUNK=min(_ALIGN_CHUNK, _next_power_of_2(num_pairs)))
+    return sorted_pairs, block_expert, num_padded
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation()) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in float32 [T, D].
+
+    x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; topk_weights [T, k] float32;
+    topk_ids [T, k] integer."""
+    reason = fused_moe_unsupported(x)
+    if reason:
+        raise ValueError(reason)
+    T, D = x.shape
+    E, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    num_pairs = T * top_k
+    if num_pairs == 0:
+        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights = topk_weights.flatten().float().contiguous()
+    up_cfg, down_cfg = pick_config(num_pairs, E, inter, D, num_sms(x.device))
+    sorted_pairs, block_expert, num_padded = moe_align_block_size(topk_ids.to(torch.int32), up_cfg.block_m, E)
+    max_blocks = block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    kernels._gate_up_act_kernel[(max_blocks, _cdiv(inter, up_cfg.block_n))](
+        x, w13, act, sorted_pairs, block_expert, num_padded, num_pairs, D, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), activation.situ_beta, activation.situ_linear_beta,
+        TOP_K=top_k, ACT=kernels.ACT_SITU if activation.name == "situ" else kernels.ACT_SILU,
+        BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, PRECISION=precision,
+        num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+    out = torch.empty(num_pairs, D, dtype=x.dtype, device=x.device)
+    kernels._down_kernel[(max_blocks, _cdiv(D, down_cfg.block_n))](
+        act, w2, out, weights, sorted_pairs, block_expert, num_padded, num_pairs, inter, D,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, PRECISION=precision,
+        num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
+    return out.view(T, top_k, D).sum(1, dtype=torch.float32)

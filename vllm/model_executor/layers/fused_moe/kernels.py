@@ -1,0 +1,132 @@
+"""Triton kernels of the fused MoE: (token, expert) pairs sorted by expert on the device, then two grouped GEMMs.
+
+A *pair* is one (token, chosen expert) entry of the router's top-k, numbered token * top_k + j. The align
+kernel lays the pairs out expert by expert, each expert's run padded to a whole number of BLOCK_M rows, so
+that every BLOCK_M block of the sorted layout belongs to one expert. The GEMM grids are sized for the most
+blocks any routing can need (known from the shapes alone); blocks past the routing's real count, read from the
+device, return at once. So nothing reaches the host and one grid replays in a CUDA graph for any routing.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACT_SILU, ACT_SITU = tl.constexpr(0), tl.constexpr(1)  # constexpr: the kernels branch on them
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+                  BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """Program e writes expert e's pairs, in pair order, at its padded offset, and its blocks' expert id.
+
+    Every program histograms all pairs itself (one read of the ids per program, from L2) instead of a separate
+    counting launch: at decode sizes the launch costs more than the reads."""
+    e = tl.program_id(0)
+    counts = tl.zeros([E_POW2], tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + idx, mask=idx < num_pairs, other=0)
+        counts += tl.histogram(ids, E_POW2, mask=idx < num_pairs)
+    experts = tl.arange(0, E_POW2)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(experts < e, padded, 0))
+    mine = tl.sum(tl.where(experts == e, counts, 0))
+    my_padded = tl.sum(tl.where(experts == e, padded, 0))
+    if e == 0:
+        tl.store(num_padded_ptr, tl.sum(tl.where(experts < num_experts, padded, 0)))
+    for b in range(start // BLOCK_M, (start + my_padded) // BLOCK_M):
+        tl.store(block_expert_ptr + b, e)
+    seen = 0
+    for c0 in range(0, num_pairs, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        hit = tl.load(ids_ptr + idx, mask=idx < num_pairs, other=-1) == e
+        rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(sorted_pairs_ptr + start + rank, idx, mask=hit)
+        seen += tl.sum(hit.to(tl.int32))
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_pairs_ptr + start + mine + pad, num_pairs, mask=pad < my_padded - mine)
+
+
+@triton.jit
+def _block_rows(sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """(pairs, valid, expert) of this program's block, or expert -1 when the block is past the routing's."""
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    pairs = tl.load(sorted_pairs_ptr + rows, mask=live, other=num_pairs)
+    expert = tl.where(live, tl.load(block_expert_ptr + pid_m, mask=live, other=0), -1).to(tl.int64)
+    return pairs, pairs < num_pairs, expert
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
+                        K, INTER, stride_xm, stride_we, stride_wn, stride_om, situ_beta, situ_linear_beta,
+                        TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair, n] = act(x[token] . w13[e, n], x[token] . w13[e, INTER + n]): the gate and up columns of one
+    tile in one program, so the gated activation runs on the fp32 accumulators and [pairs, 2 * INTER] never exists."""
+    pairs, ok, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_xm + k[None, :]
+    g_ptrs = w13_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
+    u_ptrs = g_ptrs + INTER * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc_g,
+                       input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc_u,
+                       input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if ACT == ACT_SITU:
+        act = (situ_beta * _tanh(acc_g / situ_beta) * _sigmoid(acc_g)
+               * (situ_linear_beta * _tanh(acc_u / situ_linear_beta)))
+    else:
+        act = acc_g * _sigmoid(acc_g) * acc_u
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                 num_pairs, K, N, stride_am, stride_we, stride_wn, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair, n] = weight[pair] * (a[pair] . w2[e, n]): each pair's expert output, scaled by its routing
+    weight; the caller sums a token's top_k rows (no atomics, so results do not depend on scheduling)."""
+    pairs, ok, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + pairs.to(tl.int64)[:, None] * stride_am + k[None, :]
+    b_ptrs = w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc,
+                     input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    acc *= tl.load(weights_ptr + pairs, mask=ok, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
