@@ -56,10 +56,14 @@ def _inputs(T, H, nope, rope, v, L, num_blocks, bs, dtype, device, gen):
     return [x.to(device=device, dtype=dtype) for x in (q, latent, kv_cache, w_kvb)]
 
 
-def _run_both(common, q, latent, kv_cache, w_kvb, dims, num_splits=None, triton_meta=None):
+ALL_ABSORBED = 1 << 30  # prefill_min_query_len that keeps every row on the absorbed kernel
+
+
+def _run_both(common, q, latent, kv_cache, w_kvb, dims, num_splits=None, triton_meta=None,
+              prefill_min_query_len=ALL_ABSORBED):
     """(triton out, triton cache, reference out, reference cache) from the same inputs."""
     scale = (dims["nope"] + dims["rope"]) ** -0.5
-    meta = triton_meta or TritonMLABackend.builder(dims["bs"], num_splits).build(common)
+    meta = triton_meta or TritonMLABackend.builder(dims["bs"], num_splits, prefill_min_query_len).build(common)
     cache = kv_cache.clone()
     out = TritonMLABackend.forward(q, latent, cache, w_kvb, dims["nope"], dims["v"], scale, meta)
     ref_cache = kv_cache.float().clone()
@@ -84,6 +88,33 @@ def test_ragged_rows_match_reference(device, dtype, num_splits):
     n = sum(RAGGED["qlens"])
     inputs = _inputs(n + 1, d["H"], d["nope"], d["rope"], d["v"], d["L"], num_blocks, d["bs"], dtype, device, gen)
     _check(*_run_both(common, *inputs, d, num_splits), n, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_long_prompt_chunks_run_unabsorbed_and_match_reference(device, dtype):
+    """Rows 0 (a fresh 7-token prompt) and 3 (a 12-token chunk over 50 cached positions: lower-right causal)
+    are prompt chunks longer than 4 tokens, so they take decompressed K/V and flash attention; the decode row,
+    the 4-token verify row and the short decode row stay on the absorbed kernel in the same step."""
+    gen = torch.Generator().manual_seed(6)
+    d, num_blocks = SMALL, 80
+    common = _make_common(RAGGED["ctx"], RAGGED["qlens"], d["bs"], num_blocks, device, gen)
+    meta = TritonMLABackend.builder(d["bs"], prefill_min_query_len=4).build(common)
+    assert [(r.req, r.q_start, r.q_end, r.seq_len) for r in meta.prefill_rows] == [(0, 0, 7, 7), (3, 12, 24, 62)]
+    assert meta.max_query_len == 4 and meta.skip_reqs.tolist() == [1, 0, 0, 1, 0]
+    n = sum(RAGGED["qlens"])
+    inputs = _inputs(n + 1, d["H"], d["nope"], d["rope"], d["v"], d["L"], num_blocks, d["bs"], dtype, device, gen)
+    _check(*_run_both(common, *inputs, d, triton_meta=meta), n, dtype)
+
+
+def test_capture_keeps_every_row_absorbed(monkeypatch):
+    """Inside graph capture the unabsorbed plan (host row lengths) would be frozen into the graph: none is made."""
+    from vllm.attention.mla import triton_mla
+    gen = torch.Generator().manual_seed(7)
+    common = _make_common(RAGGED["ctx"], RAGGED["qlens"], 4, 80, "cpu", gen)
+    monkeypatch.setattr(triton_mla, "_capturing", lambda: True)
+    meta = TritonMLABackend.builder(4, prefill_min_query_len=4).build(common)
+    assert meta.prefill_rows == () and meta.skip_reqs is None and meta.max_query_len == 12
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,39 +175,45 @@ def test_builder_and_supports_contract():
         assert TritonMLABackend.supports(torch.device("cuda"), torch.bfloat16) is None
 
 
-def test_build_reads_no_tensor_values():
-    # Every tensor on the meta device: any host read (.tolist(), .item(), a per-request loop) raises, so
-    # this build would also run without a sync inside CUDA-graph capture.
+@pytest.mark.parametrize("prefill_min_query_len", [ALL_ABSORBED, 4])
+def test_build_reads_no_device_values(prefill_min_query_len):
+    # Every device tensor on the meta device: any read of one (.tolist(), .item(), a per-request loop) raises,
+    # so this build would also run without a sync inside CUDA-graph capture. The unabsorbed plan reads only
+    # the host copies.
     gen = torch.Generator().manual_seed(5)
     common = _make_common(RAGGED["ctx"], RAGGED["qlens"], 4, 64, "cpu", gen)
-    for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu", "block_table",
-                 "slot_mapping", "is_prefilling", "state_indices", "state_indices_cpu"):
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "state_indices"):
         setattr(common, name, getattr(common, name).to("meta"))
-    meta = TritonMLABackend.builder(4).build(common)
+    meta = TritonMLABackend.builder(4, prefill_min_query_len=prefill_min_query_len).build(common)
     assert meta.query_start_loc.shape == (6,) and meta.slot_mapping.shape == (common.num_actual_tokens,)
-    assert (meta.num_reqs, meta.max_query_len, meta.num_splits) == (5, 12, 1)
+    expected = (5, 12, 1) if prefill_min_query_len == ALL_ABSORBED else (5, 4, 1)
+    assert (meta.num_reqs, meta.max_query_len, meta.num_splits) == expected
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefill_min_query_len", [ALL_ABSORBED, 16])
 @pytest.mark.parametrize("dtype,H,num_splits", [(torch.bfloat16, 16, None), (torch.bfloat16, 16, 1),
                                                 (torch.bfloat16, 16, 16), (torch.bfloat16, 128, 8),
                                                 (torch.float16, 64, None), (torch.float32, 16, 4)])
-def test_real_shapes_cuda(dtype, H, num_splits):
+def test_real_shapes_cuda(dtype, H, num_splits, prefill_min_query_len):
+    """With the default threshold the 300-token prompt and the 64-token chunk over 2,000 cached positions run
+    unabsorbed (flash attention); with none, every row runs the absorbed kernel with the given splits."""
     gen = torch.Generator().manual_seed(4)
     d, num_blocks = dict(REAL, H=H), 400
     ctx, qlens = [0, 3000, 1200, 4095, 700, 2000], [300, 1, 4, 1, 8, 64]
     common = _make_common(ctx, qlens, d["bs"], num_blocks, "cuda", gen)
     n = sum(qlens)
     inputs = _inputs(n + 1, H, d["nope"], d["rope"], d["v"], d["L"], num_blocks, d["bs"], dtype, "cuda", gen)
-    _check(*_run_both(common, *inputs, d, num_splits), n, dtype)
+    _check(*_run_both(common, *inputs, d, num_splits, prefill_min_query_len=prefill_min_query_len), n, dtype)
 
 
 @pytest.mark.gpu
-def test_build_does_not_sync_cuda():
+@pytest.mark.parametrize("prefill_min_query_len", [ALL_ABSORBED, 4])
+def test_build_does_not_sync_cuda(prefill_min_query_len):
     gen = torch.Generator().manual_seed(5)
     common = _make_common(RAGGED["ctx"], RAGGED["qlens"], 16, 64, "cuda", gen)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        TritonMLABackend.builder(16).build(common)
+        TritonMLABackend.builder(16, prefill_min_query_len=prefill_min_query_len).build(common)
     finally:
         torch.cuda.set_sync_debug_mode("default")

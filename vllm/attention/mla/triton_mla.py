@@ -1,20 +1,31 @@
 """TRITON_MLA: absorbed MLA over the paged latent cache with Triton split-KV kernels.
 
-Every row of the step, decode (1..K+1 tokens) or prompt chunk (with or without cached context), takes the
-same path: the new latent rows are written into the cache, q_nope is absorbed through W_UK (a bmm), one
-Triton kernel runs causal latent-space MQA split across the context, a second merges the splits, and W_UV
-projects the latent output back (a bmm). Per-request lengths are read on the device from
-`query_start_loc` and `seq_lens`; the host only supplies the bounds that size the grid, so the builder
-never syncs and one captured grid replays for any lengths within those bounds.
+Decode and verify rows (1..K+1 tokens) and short prompt chunks take the absorbed path: the new latent rows
+are written into the cache, q_nope is absorbed through W_UK (a bmm), one Triton kernel runs causal
+latent-space MQA split across the context, a second merges the splits, and W_UV projects the latent output
+back (a bmm). Per-request lengths are read on the device from `query_start_loc` and `seq_lens`; the host
+only supplies the bounds that size the grid, so the builder never syncs and one captured grid replays for
+any lengths within those bounds.
+
+Prompt chunks longer than `prefill_min_query_len` tokens run unabsorbed, as upstream's MLA prefill does: the
+request's latent rows are decompressed through kv_b_proj into per-head K and V, and flash attention (torch
+SDPA) runs causally over them. Absorbed attention spends (L + R) + L = 1088 multiply-adds per score and head
+against (nope + R) + v = 320 unabsorbed, and its latent-width tiles run far below tensor peak: at a 32K
+prompt of the 1.3B config it was 230 of 318 ms of GPU time. This path reads host row lengths, so it is
+planned only outside graph capture (prompt chunks run eagerly under FULL_DECODE_ONLY); a captured graph
+keeps every row absorbed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                     CommonAttentionMetadata, LayerShapes, QueryLenSupport)
+from vllm.utils import async_tensor_h2d
 
 try:
     from vllm.attention.mla import triton_mla_kernels as _kernels
@@ -29,6 +40,19 @@ _PROGRAMS_PER_SM = 2
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 128  # 128K positions at 1K a split: about one program per SM for a lone request
 _DEFAULT_NUM_SMS = 132  # H100/H200, when no GPU is visible (the interpreter)
+# Prompt chunks longer than this run unabsorbed (module docstring). Verify rows never do: they are not prompts.
+PREFILL_MIN_QUERY_LEN = 16
+# Never the math backend on a GPU: it would materialise [H, q, context] scores (32 GiB at a 32K prompt).
+_FLASH_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRow:
+    """A prompt chunk that runs unabsorbed: request `req`'s tokens [q_start, q_end) over seq_len positions."""
+    req: int
+    q_start: int
+    q_end: int
+    seq_len: int
 
 
 @dataclass(slots=True)
@@ -38,9 +62,11 @@ class TritonMLAMetadata:
     block_table: torch.Tensor  # device int32 [B, max_blocks]
     slot_mapping: torch.Tensor  # device int64 [num_actual_tokens], -1 for padding
     num_reqs: int
-    max_query_len: int  # bound on every row's query length: sizes the grid
+    max_query_len: int  # bound on the query length of every absorbed row: sizes the grid; 0: no absorbed row
     num_splits: int
     block_size: int
+    prefill_rows: tuple[PrefillRow, ...] = ()
+    skip_reqs: torch.Tensor | None = None  # device int8 [B]: 1 for the requests of prefill_rows
 
 
 class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
@@ -51,20 +77,40 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return True  # the kernels read query lengths from the device offsets only
 
-    def __init__(self, block_size: int, num_splits: int | None = None) -> None:
+    def __init__(self, block_size: int, num_splits: int | None = None,
+                 prefill_min_query_len: int = PREFILL_MIN_QUERY_LEN) -> None:
         self.block_size = block_size
         self.num_splits = num_splits  # None: pick per step from the batch shape
+        self.prefill_min_query_len = prefill_min_query_len
         self.num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                         if torch.cuda.is_available() else _DEFAULT_NUM_SMS)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
         n = common.num_reqs
+        prefill = () if _capturing() else self._prefill_rows(common)
+        max_query_len, skip = common.max_query_len, None
+        if prefill:
+            # Device row lengths never exceed the host ones (device trims only shorten drafts), so the host
+            # lengths of the other rows bound the absorbed grid.
+            planned = {row.req for row in prefill}
+            lens = common.query_lens_cpu[:n].tolist()
+            max_query_len = max((q for r, q in enumerate(lens) if r not in planned), default=0)
+            skip = async_tensor_h2d([r in planned for r in range(n)], torch.int8, common.query_start_loc.device)
+        splits = 1 if prefill else self.num_splits or self._auto_splits(n, max_query_len, common.max_seq_len)
         return TritonMLAMetadata(
             query_start_loc=common.query_start_loc[:n + 1], seq_lens=common.seq_lens[:n],
             block_table=common.block_table[:n], slot_mapping=common.slot_mapping[:common.num_actual_tokens],
-            num_reqs=n, max_query_len=common.max_query_len,
-            num_splits=self.num_splits or self._auto_splits(n, common.max_query_len, common.max_seq_len),
-            block_size=self.block_size)
+            num_reqs=n, max_query_len=max_query_len, num_splits=splits, block_size=self.block_size,
+            prefill_rows=prefill, skip_reqs=skip)
+
+    def _prefill_rows(self, common: CommonAttentionMetadata) -> tuple[PrefillRow, ...]:
+        n = common.num_reqs
+        qsl = common.query_start_loc_cpu
+        long = common.is_prefilling[:n] & (qsl[1:n + 1] - qsl[:n] > self.prefill_min_query_len)
+        if not bool(long.any()):
+            return ()
+        return tuple(PrefillRow(r, int(qsl[r]), int(qsl[r + 1]), int(common.seq_lens_cpu[r]))
+                     for r in long.nonzero().flatten().tolist())
 
     def _auto_splits(self, num_reqs: int, max_query_len: int, max_seq_len: int) -> int:
         # The builder does not know H, so it counts one row block per query token: exact for one-token
@@ -97,8 +143,9 @@ class TritonMLABackend(AttentionBackend):
         return None
 
     @classmethod
-    def builder(cls, block_size: int, num_splits: int | None = None) -> TritonMLAMetadataBuilder:
-        return TritonMLAMetadataBuilder(block_size, num_splits)
+    def builder(cls, block_size: int, num_splits: int | None = None,
+                prefill_min_query_len: int = PREFILL_MIN_QUERY_LEN) -> TritonMLAMetadataBuilder:
+        return TritonMLAMetadataBuilder(block_size, num_splits, prefill_min_query_len)
 
     @staticmethod
     def forward(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, kv_b_weight: torch.Tensor,
@@ -111,13 +158,49 @@ class TritonMLABackend(AttentionBackend):
         _kernels.write_latent(latent, kv_cache, meta.slot_mapping)
         T, H, _ = q.shape
         L = kv_b_weight.shape[1]
-        w = kv_b_weight.to(q.dtype).view(H, qk_nope_head_dim + v_head_dim, L)
-        w_uk, w_uv = w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
-        # Absorb W_UK into the query so scores read the latent cache directly: q_lat[h, t] = q_nope[t, h] W_UK[h].
-        q_lat = torch.bmm(q[..., :qk_nope_head_dim].transpose(0, 1), w_uk)
-        o_lat = _kernels.latent_attention(q_lat, q[..., qk_nope_head_dim:], kv_cache, meta.query_start_loc,
-                                          meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len,
-                                          meta.num_splits, scale)
         out = q.new_empty(T, H, v_head_dim)
-        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        if meta.max_query_len:
+            w = kv_b_weight.to(q.dtype).view(H, qk_nope_head_dim + v_head_dim, L)
+            w_uk, w_uv = w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+            # Absorb W_UK into the query so scores read the latent cache directly: q_lat[h, t] = q_nope[t, h] W_UK[h].
+            q_lat = torch.bmm(q[..., :qk_nope_head_dim].transpose(0, 1), w_uk)
+            o_lat = _kernels.latent_attention(q_lat, q[..., qk_nope_head_dim:], kv_cache, meta.query_start_loc,
+                                              meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len,
+                                              meta.num_splits, scale, meta.skip_reqs)
+            torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        for row in meta.prefill_rows:
+            out[row.q_start:row.q_end] = unabsorbed_attention(
+                q[row.q_start:row.q_end], kv_cache, meta.block_table[row.req], row.seq_len, kv_b_weight,
+                qk_nope_head_dim, v_head_dim, scale)
         return out
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
+                         kv_b_weight: torch.Tensor, qk_nope_head_dim: int, v_head_dim: int,
+                         scale: float) -> torch.Tensor:
+    """One prompt chunk's attention with K and V decompressed: q [n, H, nope+R] holds the request's last n
+    positions of seq_len, whose latent rows (the chunk's included) are already in the cache. Returns
+    [n, H, v_head_dim]."""
+    n, H, _ = q.shape
+    block_size, L = kv_cache.shape[1], kv_b_weight.shape[1]
+    pos = torch.arange(seq_len, device=q.device)
+    rows = kv_cache.view(-1, kv_cache.shape[-1])[block_row[pos // block_size].long() * block_size + pos % block_size]
+    kv = (rows[:, :L].to(q.dtype) @ kv_b_weight.to(q.dtype).t()).view(seq_len, H, qk_nope_head_dim + v_head_dim)
+    k_rope = rows[:, None, L:].to(q.dtype).expand(seq_len, H, -1)
+    k = torch.cat([kv[..., :qk_nope_head_dim], k_rope], dim=-1)
+    v = kv[..., qk_nope_head_dim:]
+    # Queries are the last n of seq_len positions: causal aligned to the lower right (top left when n == seq_len).
+    mask = None if n == seq_len else causal_lower_right(n, seq_len)
+    args = (q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+    if q.is_cuda:
+        with sdpa_kernel(_FLASH_BACKENDS):
+            o = torch.nn.functional.scaled_dot_product_attention(*args, attn_mask=mask, is_causal=mask is None,
+                                                                 scale=scale)
+    else:
+        o = torch.nn.functional.scaled_dot_product_attention(*args, attn_mask=mask, is_causal=mask is None,
+                                                             scale=scale)
+    return o.squeeze(0).transpose(0, 1)

@@ -31,14 +31,17 @@ def _write_latent_kernel(latent_ptr, cache_ptr, slot_ptr, stride_latent, stride_
 
 @triton.jit
 def _split_attention_kernel(
-        q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr, lse_ptr, qk_scale,
+        q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr, lse_ptr, skip_ptr, qk_scale,
         stride_lat_t, stride_lat_h, stride_rope_t, stride_rope_h, stride_blk, stride_off, stride_bt,
         stride_out_s, stride_out_t, stride_out_h, stride_lse_s, stride_lse_t,
         H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FINAL: tl.constexpr,
-        PRECISION: tl.constexpr):
+        HAS_SKIP: tl.constexpr, PRECISION: tl.constexpr):
     # Row blocks vary fastest, so the programs that read the same cache tiles run side by side (L2 reuse).
     mb, split, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HAS_SKIP:
+        if tl.load(skip_ptr + req) != 0:  # a prompt chunk the unabsorbed path computes
+            return
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if mb * BLOCK_M >= q_len * H:  # the grid is sized for max_query_len; shorter rows leave blocks idle
@@ -149,12 +152,16 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
 
 def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     num_reqs: int, max_query_len: int, num_splits: int, scale: float) -> torch.Tensor:
+                     num_reqs: int, max_query_len: int, num_splits: int, scale: float,
+                     skip_reqs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal absorbed attention of every query row over its request's paged latent cache.
 
     q_lat [H, T, L] (W_UK already applied), q_rope [T, H, R], kv_cache [blocks, bs, L+R]. Returns the
-    latent output [T, H, L] in q_lat's dtype; rows of tokens outside every request are left unwritten.
+    latent output [T, H, L] in q_lat's dtype; rows of tokens outside every request, and of requests whose
+    skip_reqs entry (device int8 [num_reqs]) is non-zero, are left unwritten (with num_splits == 1 only:
+    the merge would read their partials).
     """
+    assert skip_reqs is None or num_splits == 1, "skipped requests have no partials to merge"
     H, T, L = q_lat.shape
     R = q_rope.shape[-1]
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
@@ -171,12 +178,14 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q_lat.device)
     grid = (triton.cdiv(max_query_len * H, BLOCK_M), num_splits, num_reqs)
     _split_attention_kernel[grid](
-        q_lat, q_rope, kv_cache, block_table, query_start_loc, seq_lens, part, lse, scale * math.log2(math.e),
+        q_lat, q_rope, kv_cache, block_table, query_start_loc, seq_lens, part, lse,
+        query_start_loc if skip_reqs is None else skip_reqs, scale * math.log2(math.e),
         q_lat.stride(1), q_lat.stride(0), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_table.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         H=H, L=L, R=R, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
-        BLOCK_R=BLOCK_R, FINAL=final, PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        BLOCK_R=BLOCK_R, FINAL=final, HAS_SKIP=skip_reqs is not None,
+        PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     if not final:
         BLOCK_H = min(16, triton.next_power_of_2(H))
