@@ -42,8 +42,10 @@ _MAX_SPLITS = 128  # 128K positions at 1K a split: about one program per SM for 
 _DEFAULT_NUM_SMS = 132  # H100/H200, when no GPU is visible (the interpreter)
 # Prompt chunks longer than this run unabsorbed (module docstring). Verify rows never do: they are not prompts.
 PREFILL_MIN_QUERY_LEN = 16
-# Never the math backend on a GPU: it would materialise [H, q, context] scores (32 GiB at a 32K prompt).
-_FLASH_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+# Never the math backend on a GPU: it would materialise [H, q, context] scores (32 GiB at a 32K prompt). The
+# memory-efficient kernel takes qk and v head dims that differ (192 / 128), in multiples of 8.
+_FLASH_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_HEAD_DIM_ALIGN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +197,7 @@ def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: tor
     v = kv[..., qk_nope_head_dim:]
     # Queries are the last n of seq_len positions: causal aligned to the lower right (top left when n == seq_len).
     mask = None if n == seq_len else causal_lower_right(n, seq_len)
+    q, k, v = (_pad_head_dim(x) for x in (q, k, v))  # zero columns: scores unchanged, outputs sliced off
     args = (q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
     if q.is_cuda:
         with sdpa_kernel(_FLASH_BACKENDS):
@@ -203,4 +206,9 @@ def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: tor
     else:
         o = torch.nn.functional.scaled_dot_product_attention(*args, attn_mask=mask, is_causal=mask is None,
                                                              scale=scale)
-    return o.squeeze(0).transpose(0, 1)
+    return o.squeeze(0).transpose(0, 1)[..., :v_head_dim]
+
+
+def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
+    pad = -x.shape[-1] % _HEAD_DIM_ALIGN
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x

@@ -141,7 +141,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), activation.situ_beta, activation.situ_linear_beta,
         TOP_K=top_k, ACT=kernels.ACT_SITU if activation.name == "situ" else kernels.ACT_SILU,
         BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, PRECISION=precision,
-        num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+        LIBDEVICE=x.is_cuda, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
     out = torch.empty(num_pairs, D, dtype=x.dtype, device=x.device)
     kernels._down_kernel[(max_blocks, _cdiv(D, down_cfg.block_n))](
         act, w2, out, weights, sorted_pairs, block_expert, num_padded, num_pairs, inter, D,
