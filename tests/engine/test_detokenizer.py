@@ -7,7 +7,7 @@ import pytest
 
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.detokenizer import IncrementalDetokenizer
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import decoder_for, get_tokenizer
 
 MULTIBYTE = "café ☕ 日本語 — naïve 😀 done"
@@ -100,6 +100,34 @@ def test_decode_window_stays_small(tok):
         det.update([i])
     assert det.output_text == MULTIBYTE * 40
     assert len(ids) > 500 and max(calls) <= 12, max(calls)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_final_only_without_stop_strings_decodes_once_when_read(tok, skip):
+    """FINAL_ONLY requests with no stop string collect ids and decode once, to the incremental text exactly."""
+    rng = random.Random(99 + skip)
+    calls: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens):
+            calls.append(len(ids))
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    for ids in [enc(tok, MULTIBYTE), *([rng.randrange(len(tok)) for _ in range(rng.randint(1, 80))]
+                                       for _ in range(30))]:
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+        final = SamplingParams(skip_special_tokens=skip, output_kind=RequestOutputKind.FINAL_ONLY)
+        lazy = IncrementalDetokenizer(Counting(), prompt, final)
+        eager = IncrementalDetokenizer(tok, prompt, SamplingParams(skip_special_tokens=skip))
+        calls.clear()
+        for chunk in chunks(ids, rng):
+            assert lazy.update(chunk) is None
+            eager.update(chunk)
+        assert calls == [], "no decode while the ids arrive"
+        assert lazy.output_text == eager.output_text == lazy.get_next_output_text(True, False)
+        assert calls == [len(ids)], "one decode of the generated ids, on the first read only"
+    stopping = IncrementalDetokenizer(tok, [], SamplingParams(stop=["of"], output_kind=RequestOutputKind.FINAL_ONLY))
+    assert stopping.update(enc(tok, "the capital of France")) == "of", "stop strings still match token by token"
 
 
 def capital_ids(tok):
