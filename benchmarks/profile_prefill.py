@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from bench_common import sync
+from torch.autograd import DeviceType
 from bench_offline_throughput import build_checkpoint
 from profile_decode_step import HOST_WAITS
 from torch.profiler import ProfilerActivity, profile
@@ -53,7 +54,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             prefill_once(llm, ids)
         averages = prof.key_averages()
-        gpu_us = sum(e.self_device_time_total for e in averages)  # kernels only: host ops have no self GPU time
+        # Kernel events only: an aten op that launched a kernel can report the same time as its own.
+        gpu_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
         print(f"=== {n} prompt tokens: time to first token {wall * 1e3:.1f} ms (median of 3), GPU kernels "
               f"{gpu_us / 1e3:.1f} ms under the profiler")
         print(averages.table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
