@@ -85,7 +85,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_scheduled_tokens_left, budget)
-            drafts = self._drafts(req, n, budget)
+            drafts = self._drafts(req, n, budget) if self.num_spec else []
             while not self.kv.allocate_slots(req, n + len(drafts)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -201,11 +201,12 @@ class Scheduler:
                 # Rejected drafts were computed but are not part of the sequence: the next step overwrites them.
                 req.num_computed_tokens -= len(s.draft_token_ids) - accepted
             req.num_accepted_tokens = 1 + accepted
-            req.spec_token_ids = []
-            real = sum(t != PLACEHOLDER_TOKEN_ID for t in s.draft_token_ids)
-            for stats in (req.spec_stats, self.spec_stats):
-                if stats is not None:
-                    stats.observe(real, min(accepted, real))
+            if self.num_spec:
+                req.spec_token_ids = []
+                real = sum(t != PLACEHOLDER_TOKEN_ID for t in s.draft_token_ids)
+                for stats in (req.spec_stats, self.spec_stats):
+                    if stats is not None:
+                        stats.observe(real, min(accepted, real))
             if not s.samples:
                 continue
             for token in tokens:
