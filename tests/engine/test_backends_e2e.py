@@ -12,7 +12,11 @@ from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
 REFERENCE = dict(attention_backend="TORCH_MLA", kda_prefill_backend="torch", kda_decode_backend="torch")
 FAST = [dict(attention_backend="TRITON_MLA", kda_prefill_backend="triton", kda_decode_backend="native"),
         dict(attention_backend="TRITON_MLA", kda_prefill_backend="triton", kda_decode_backend="triton"),
-        dict(attention_backend="auto", kda_prefill_backend="auto", kda_decode_backend="auto")]
+        dict(attention_backend="auto", kda_prefill_backend="auto", kda_decode_backend="auto"),
+        # The exact torch prefill under our MLA and decode kernels: fla's chunk_kda computes fp32 dots in TF32,
+        # which can flip a near-tied greedy token of these random models (issue 6), so this combination tells
+        # such a flip from a fault of ours.
+        dict(attention_backend="TRITON_MLA", kda_prefill_backend="torch", kda_decode_backend="native")]
 
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])
@@ -29,8 +33,8 @@ def _prompts(lengths, seed=0):
 
 
 def _run(model_dir, dtype, backends, batch, params, **kwargs):
-    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), device="cuda", dtype=dtype, max_model_len=512, gpu_memory_utilization=0.1,
-              **backends, **kwargs)
+    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), device="cuda", dtype=dtype, max_model_len=512,
+              gpu_memory_utilization=0.1, **backends, **kwargs)
     outs = llm.generate(batch, params, use_tqdm=False)
     llm.llm_engine.kv_cache_manager.assert_all_free()
     return outs
