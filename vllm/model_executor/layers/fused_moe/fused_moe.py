@@ -63,7 +63,7 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_s
 
     Decode-sized routings (a few pairs per expert) are bandwidth-bound: BLOCK_M 16 wastes few padded rows, and
     BLOCK_N narrows (down to 32 / 64) until the chosen experts' weights spread over about two programs per SM:
-    at one token of the 1.3B config that took the step from 26 to 20 us. Prefill-sized routings are
+    at one token of the 1.3B config that took the layer from 26 to 20 us. Prefill-sized routings are
     compute-bound and take the biggest tiles that fit (8,192 tokens: 746 us against 876 with 64-row tiles)."""
     if num_pairs <= 16 * num_experts:
         active_blocks = min(num_pairs, num_experts)
