@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from vllm.entrypoints.cli import generate, serve
@@ -34,7 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading, before the server's own handling
         print("interrupted", file=sys.stderr)
-        return 130
+        # Exit here, past the interpreter's shutdown: when the interrupt lands while an extension runs Python code
+        # through PyRun_* (pybind11's exec/eval), CPython records it as unhandled and, at exit, kills the process
+        # with SIGINT (status -2) although it was handled here. Nothing is left to clean up while loading: the
+        # socket is closed, and the streams and log handlers are flushed first.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":
