@@ -106,6 +106,8 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
             prefill_rows=prefill, skip_reqs=skip)
 
     def _prefill_rows(self, common: CommonAttentionMetadata) -> tuple[PrefillRow, ...]:
+        if common.max_query_len <= self.prefill_min_query_len:  # decode steps: no tensor work on the host
+            return ()
         n = common.num_reqs
         qsl = common.query_start_loc_cpu
         long = common.is_prefilling[:n] & (qsl[1:n + 1] - qsl[:n] > self.prefill_min_query_len)
