@@ -19,6 +19,7 @@ from pathlib import Path
 from bench_common import sync
 from bench_offline_throughput import build_checkpoint
 from bench_spec_and_graphs import make_llm
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from vllm import SamplingParams
@@ -52,6 +53,13 @@ def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
         print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
     calls = {e.key: e.count for e in averages}
     print("per step: " + ", ".join(f"{name} {calls.get(name, 0) / steps:.1f}" for name in HOST_WAITS), flush=True)
+    # Device events are kernels, plus the copies and memsets queued between them.
+    device_events = [e for e in averages if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.key.startswith(("Memcpy", "Memset"))]
+    if kernels:
+        print(f"per step: {sum(e.count for e in kernels) / steps:.0f} kernels, "
+              f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms of kernel time; "
+              f"{sum(e.count for e in device_events if e not in kernels) / steps:.0f} copies/memsets", flush=True)
     runs = []
     for _ in range(5):
         sync(device)
