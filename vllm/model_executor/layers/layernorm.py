@@ -2,6 +2,11 @@
 import torch
 from torch import nn
 
+try:
+    from vllm.model_executor.layers import layernorm_kernels
+except ImportError:  # no triton (a CPU install): the torch form below
+    layernorm_kernels = None
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in float32."""
@@ -15,7 +20,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual` (upstream's fused form), (norm(s), s) for s = x + residual."""
+        if x.is_cuda and layernorm_kernels is not None:
+            return layernorm_kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self.forward_native(x)
+        s = x + residual
+        return self.forward_native(s), s
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         # Cast back before the weight multiply, as the reference implementations do.
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNormGated
+from vllm.model_executor.layers.linear import merge_linear_weights
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 
 
@@ -48,19 +49,28 @@ class KimiDeltaAttention(nn.Module):
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         self.conv_weight: torch.Tensor | None = None
+        self.qkv_weight: torch.Tensor | None = None  # [3P, D] and [K or 2K, D], set after loading
+        self.gate_a_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         # Backends read the q/k/v conv weights as one [3P, W] tensor, matching the packed q/k/v channels.
         self.conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
-
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+        # One GEMM gives mixed_qkv (contiguous, as every backend reads it) and one the gates' low-rank inputs,
+        # instead of three GEMMs and a cat, and two (or three) GEMMs.
+        self.qkv_weight = merge_linear_weights(self.q_proj, self.k_proj, self.v_proj)
+        gates = (self.f_a_proj,) + (() if hasattr(self, "g_proj") else (self.g_a_proj,))
+        self.gate_a_weight = merge_linear_weights(*gates)
 
     def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"
-        mixed_qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        y = self.backend.forward(self, mixed_qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
-                                 self.output_gate(x), self.conv_state, self.ssm_state, attn_metadata)
+        assert self.qkv_weight is not None, "KimiDeltaAttention.process_weights_after_loading() was not run"
+        mixed_qkv = nn.functional.linear(x, self.qkv_weight)
+        gate_a = nn.functional.linear(x, self.gate_a_weight)
+        K = self.head_dim
+        if hasattr(self, "g_proj"):
+            output_gate = self.g_proj(x)
+        else:
+            output_gate = self.g_b_proj(gate_a[..., K:])
+        y = self.backend.forward(self, mixed_qkv, self.f_b_proj(gate_a[..., :K]), self.b_proj(x), output_gate,
+                                 self.conv_state, self.ssm_state, attn_metadata)
         return self.o_proj(y)

@@ -96,12 +96,18 @@ class KimiK3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         """Pre-norm hidden states [T, D] of the last layer (the final norm is applied in compute_logits)."""
         h = self.embed_tokens(input_ids)
-        if self.config.attn_res_block_size is None:
-            for layer in self.layers:
-                h = h + layer.mixer(layer.input_layernorm(h), attn_metadata)
-                h = h + layer.ffn(layer.post_attention_layernorm(h))
-            return h
-        return self._forward_attn_res(h, attn_metadata)
+        if self.config.attn_res_block_size is not None:
+            return self._forward_attn_res(h, attn_metadata)
+        # Each residual add is fused into the norm after it: h = h + delta, x = norm(h) in one launch.
+        delta = None
+        for layer in self.layers:
+            if delta is None:
+                x = layer.input_layernorm(h)
+            else:
+                x, h = layer.input_layernorm(delta, h)
+            x, h = layer.post_attention_layernorm(layer.mixer(x, attn_metadata), h)
+            delta = layer.ffn(x)
+        return h + delta
 
     def _forward_attn_res(self, emb: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         """Block AttnRes: P is the running partial-block sum; snapshots[b] holds the stream at block b's start
@@ -159,5 +165,5 @@ class KimiK3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             if layer.is_kda:
                 layer.self_attn.process_weights_after_loading()
-            if hasattr(layer, "block_sparse_moe"):
-                layer.block_sparse_moe.process_weights_after_loading()
+            ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
+            ffn.process_weights_after_loading()

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
-from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported
+from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported, grouped_topk
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import merge_linear_weights
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 
 
@@ -32,8 +33,17 @@ class KimiMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, in_size, bias=False)
         self.act = gated_activation(config)
 
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """One [2I, in] gate/up weight, one GEMM per call; gate_proj/up_proj become views into it."""
+        self.gate_up_weight = merge_linear_weights(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_weight is None:
+            raise RuntimeError("KimiMLP.process_weights_after_loading() must merge gate_proj and up_proj first")
+        gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up))
 
 
 class KimiExpert(nn.Module):
@@ -63,7 +73,15 @@ class KimiRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k] float32, expert ids [T, k])."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        logits = x.float() @ self.weight.float().t()
+        if logits.is_cuda and fused_moe_unsupported(logits) is None:
+            return grouped_topk(logits, self.e_score_correction_bias.float(), self.top_k, self.num_groups,
+                                self.topk_group, self.renormalize, self.scale)
+        return self.forward_native(logits)
+
+    def forward_native(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch form of the choice from the router logits [T, E] float32 (the CPU path and the reference)."""
+        scores = torch.sigmoid(logits)
         choice = scores + self.e_score_correction_bias.float()
         if self.num_groups > 1:
             grouped = choice.unflatten(-1, (self.num_groups, -1))
@@ -135,6 +153,8 @@ class KimiMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Stacks the experts' weights into one [E, 2I, in] gate/up and one [E, in, I] down tensor and makes each
         expert's parameters views into them (no second copy), for the fused kernels."""
+        if hasattr(self, "shared_experts"):
+            self.shared_experts.process_weights_after_loading()
         inter = self.experts[0].w1.out_features
         self.w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in self.experts])
         self.w2 = torch.stack([e.w2.weight.data for e in self.experts])
