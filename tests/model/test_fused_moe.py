@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, moe_align_block_size
+from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, grouped_topk, moe_align_block_size
 from vllm.model_executor.models.kimi_k3 import moe as moe_module
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
-from vllm.model_executor.models.kimi_k3.moe import KimiMoE
+from vllm.model_executor.models.kimi_k3.moe import KimiMoE, KimiRouter
 from vllm.tools.make_tiny_model import tiny_text_config
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -164,3 +164,31 @@ def test_moe_layer_takes_the_fused_path_and_matches_the_expert_loop(device, kind
     y_ref = moe(x)
     assert calls == [1], "the fused kernels ran"
     torch.testing.assert_close(y_fused, y_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k,groups,topk_group,renormalize,scale", [
+    (8, 1, 1, 1, True, 1.0), (32, 4, 1, 1, True, 2.5), (64, 8, 8, 4, True, 1.0), (64, 6, 8, 2, False, 1.0),
+    (384, 8, 1, 1, True, 2.827), (256, 16, 8, 4, True, 1.0), (16, 3, 16, 4, True, 1.0)])
+def test_grouped_topk_matches_the_router(device, E, k, groups, topk_group, renormalize, scale):
+    """The one-launch routing choice equals KimiRouter's torch form on fresh random logits and biases: the same
+    experts in the same order and the same weights (groups of one expert included)."""
+    gen = torch.Generator().manual_seed(E * k + groups)
+    cfg = {**tiny_text_config("k3"), "num_experts": E, "num_experts_per_token": k, "num_expert_group": groups,
+           "topk_group": topk_group, "moe_renormalize": renormalize, "routed_scaling_factor": scale}
+    router = KimiRouter(KimiK3TextConfig.from_dict(cfg))
+    router.e_score_correction_bias.data = 0.1 * torch.randn(E, generator=gen)
+    logits = 2 * torch.randn(33, E, generator=gen)
+    want_w, want_ids = router.forward_native(logits)
+    got_w, got_ids = grouped_topk(logits.to(device), router.e_score_correction_bias.to(device), k, groups,
+                                  topk_group, renormalize, scale)
+    assert got_ids.dtype == torch.int32
+    assert torch.equal(got_ids.cpu().long(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_grouped_topk_refuses_impossible_choices():
+    with pytest.raises(ValueError, match="cannot give top_k=5"):
+        grouped_topk(torch.zeros(2, 8), torch.zeros(8), 5, num_groups=4, topk_group=2)
+    with pytest.raises(ValueError, match="float32"):
+        grouped_topk(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 2)

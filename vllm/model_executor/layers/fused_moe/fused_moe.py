@@ -114,6 +114,30 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     return sorted_pairs, block_expert, num_padded
 
 
+def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int = 1,
+                 topk_group: int = 1, renormalize: bool = True, scale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sigmoid router's choice in one launch (what KimiRouter does in ~9 torch kernels): router_logits
+    [T, E] float32 and the e_score_correction_bias [E] float32 -> (weights [T, top_k] float32, ids [T, top_k]
+    int32, the dtype the align kernel reads), experts in descending order of score + bias."""
+    T, E = router_logits.shape
+    if router_logits.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError(f"grouped_topk takes float32 logits and bias, got {router_logits.dtype}, {bias.dtype}")
+    if E % num_groups or not top_k <= topk_group * (E // num_groups):
+        raise ValueError(f"grouped_topk: {E} experts in {num_groups} groups cannot give top_k={top_k} from "
+                         f"topk_group={topk_group} groups")
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        kernels._grouped_topk_kernel[(T,)](
+            logits, bias.contiguous(), weights, ids, logits.stride(0), E, scale, TOP_K=top_k,
+            K_POW2=_next_power_of_2(top_k), NUM_GROUPS=num_groups, G_POW2=_next_power_of_2(num_groups),
+            TOPK_GROUP=topk_group, RENORMALIZE=renormalize, E_POW2=_next_power_of_2(E),
+            num_warps=1 if E <= 128 else 4)
+    return weights, ids
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation()) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in float32 [T, D].

@@ -136,3 +136,47 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_ex
     acc *= tl.load(weights_ptr + pairs, mask=ok, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, num_experts, scale,
+                         TOP_K: tl.constexpr, K_POW2: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                         G_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         E_POW2: tl.constexpr):
+    """One token's routing: sigmoid scores, experts chosen by score + bias within the best groups (a group's
+    strength is the sum of its two best), weights gathered from the scores, renormalised and scaled. The
+    choice loops run TOP_K (and TOPK_GROUP) argmaxes over the token's experts in registers."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_POW2)
+    valid = e < num_experts
+    score = tl.sigmoid(tl.load(logits_ptr + t * stride_logits + e, mask=valid, other=0.0))
+    choice = tl.where(valid, score + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    if NUM_GROUPS > 1:
+        group = e // (num_experts // NUM_GROUPS)
+        g = tl.arange(0, G_POW2)
+        strength = tl.full([G_POW2], float("-inf"), tl.float32)
+        for k in tl.static_range(NUM_GROUPS):
+            mine = tl.where(group == k, choice, float("-inf"))
+            best = tl.argmax(mine, 0)
+            second = tl.max(tl.where(e == best, float("-inf"), mine), 0)
+            # A one-expert group has no second best: its strength is its best alone.
+            two = tl.max(mine, 0) + tl.where(second == float("-inf"), 0.0, second)
+            strength = tl.where(g == k, two, strength)
+        kept = tl.zeros([E_POW2], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(strength, 0)
+            kept = kept | (group == best)
+            strength = tl.where(g == best, float("-inf"), strength)
+        choice = tl.where(kept, choice, float("-inf"))
+    j = tl.arange(0, K_POW2)
+    ids = tl.zeros([K_POW2], tl.int64)
+    weights = tl.zeros([K_POW2], tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(choice, 0)
+        ids = tl.where(j == k, best, ids)
+        weights = tl.where(j == k, tl.sum(tl.where(e == best, score, 0.0), 0), weights)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    tl.store(weights_ptr + t * TOP_K + j, weights * scale, mask=j < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + j, ids, mask=j < TOP_K)
