@@ -40,15 +40,34 @@ def _run(model_dir, dtype, backends, batch, params, **kwargs):
     return outs
 
 
+# A greedy choice whose top two reference log-probs are closer than this is a near tie that TF32 dots may flip.
+TF32_NEAR_TIE = 0.02
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backends", FAST, ids=lambda b: "+".join(b.values()))
 def test_fp32_greedy_identical_across_backends(model_dir, backends):
+    """Identical greedy tokens in fp32. fla's chunk_kda (the triton prefill, and auto's on Hopper) computes its
+    fp32 dots in TF32 (~1e-3 relative); under it a prompt may diverge only where the reference's top two tokens
+    are a near tie and the fast path took the second: the tokens before it must match, and that one is checked
+    against the reference's own top-2 log-probs. The exact torch prefill (last combination) gets no such
+    allowance, so a fault of our kernels cannot hide behind it."""
     batch = _prompts([5, 40, 1, 77, 130, 23])
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
     # 32-token chunks: continued prefills (initial states) and mixed prefill+decode steps.
     want = _run(model_dir, "float32", REFERENCE, batch, params, max_num_batched_tokens=32)
     got = _run(model_dir, "float32", backends, batch, params, max_num_batched_tokens=32)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    tf32 = backends["kda_prefill_backend"] != "torch"
+    for g, w in zip(got, want):
+        g_ids, w_ids = g.outputs[0].token_ids, w.outputs[0].token_ids
+        if g_ids == w_ids:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(g_ids, w_ids)) if a != b)
+        top = sorted(w.outputs[0].logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+        margin = top[0][1].logprob - top[1][1].logprob
+        assert tf32 and g_ids[i] == top[1][0] and margin < TF32_NEAR_TIE, (
+            f"prompt diverges at generated token {i}: {g_ids[i]} against the reference's {w_ids[i]} "
+            f"(reference top-2 {[(t, round(lp.logprob, 5)) for t, lp in top]}, margin {margin:.4g})")
 
 
 @pytest.mark.gpu

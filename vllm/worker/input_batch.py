@@ -148,8 +148,13 @@ class InputBatch:
         if in_flight is None:
             raise RuntimeError("a scheduled token is neither on the host nor sampled by a step in flight")
         sampled, row_of = in_flight
-        index = async_tensor_h2d([[pos for pos, _ in unknown], [row_of[rid] for _, rid in unknown]],
-                                 torch.int64, sampled.device)
+        positions, rows = [pos for pos, _ in unknown], [row_of[rid] for _, rid in unknown]
+        n = len(unknown)
+        if positions == rows == list(range(n)):
+            # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
+            self.input_ids.gpu[:n].copy_(sampled[:n])
+            return
+        index = async_tensor_h2d([positions, rows], torch.int64, sampled.device)
         self.input_ids.gpu[index[0]] = sampled[index[1]]
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,

@@ -350,8 +350,11 @@ class ModelRunner:
             self._verify(out, hidden, verify_rows, async_tensor_h2d(token_idx, torch.int64, self.device),
                          async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
         if sample_rows:
-            idx = async_tensor_h2d([ends[r] - 1 for r in sample_rows], torch.int64, self.device)
-            sampled = self.sampler(self.model.compute_logits(hidden[idx]), sampling)
+            if len(sample_rows) == T:  # every row is one token that samples (a decode step): no gather
+                rows = hidden
+            else:
+                rows = hidden[async_tensor_h2d([ends[r] - 1 for r in sample_rows], torch.int64, self.device)]
+            sampled = self.sampler(self.model.compute_logits(rows), sampling)
             result.sampled_token_ids = sampled.sampled_token_ids
             result.sampled_host = async_tensor_d2h(sampled.sampled_token_ids)
             if sampled.logprobs is not None:
