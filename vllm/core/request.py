@@ -23,7 +23,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        # Identity tests: asked several times per request per step, and Enum's .value and hash are Python-level.
+        return self is not _WAITING and self is not _RUNNING and self is not _PREEMPTED
+
+
+_WAITING, _RUNNING, _PREEMPTED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED
 
 
 @dataclass(slots=True)
