@@ -2,6 +2,8 @@
 projection weights against the separate ones. The kernel runs through Triton's interpreter on the CPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,9 @@ from vllm.model_executor.layers.linear import merge_linear_weights
 
 layernorm_kernels = pytest.importorskip("vllm.model_executor.layers.layernorm_kernels")
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                        reason="CPU tensors run through the Triton interpreter")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _norm(D: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> RMSNorm:
@@ -56,6 +60,7 @@ def test_fused_residual_add(device, dtype):
     assert torch.equal(cpu_sum, want_sum.cpu())
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors run through the Triton interpreter")
 def test_strided_rows_and_empty_input():
     """A split view (MLA's latent half) is read through its row stride; zero rows launch nothing."""
     gen = torch.Generator().manual_seed(2)

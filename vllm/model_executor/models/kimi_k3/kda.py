@@ -55,8 +55,8 @@ class KimiDeltaAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         # Backends read the q/k/v conv weights as one [3P, W] tensor, matching the packed q/k/v channels.
         self.conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
-        # One GEMM gives mixed_qkv (contiguous, as every backend reads it) and one the gates' low-rank inputs,
-        # instead of three GEMMs and a cat, and two (or three) GEMMs.
+        # Two GEMMs where there were a cat and five (q, k, v, f_a, g_a): mixed_qkv comes out contiguous, as every
+        # backend reads it; the gates' low-rank inputs are column slices, which the b-side GEMMs read in place.
         self.qkv_weight = merge_linear_weights(self.q_proj, self.k_proj, self.v_proj)
         gates = (self.f_a_proj,) + (() if hasattr(self, "g_proj") else (self.g_a_proj,))
         self.gate_a_weight = merge_linear_weights(*gates)

@@ -32,7 +32,6 @@ class KimiMLP(nn.Module):
         self.up_proj = nn.Linear(in_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, in_size, bias=False)
         self.act = gated_activation(config)
-
         self.gate_up_weight: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
