@@ -7,6 +7,7 @@ tensors never moving.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import numpy as np
 import torch
@@ -64,6 +65,8 @@ class InputBatch:
         # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
         # ran, which matters once a step is prepared while the one before may still be queued.
         self._copied: torch.cuda.Event | None = None
+        # The requests of the last step if it was one-token decodes only (see _continues_decode), else None.
+        self._last_decode_rows: list | None = None
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager,
                 in_flight: InFlightTokens | None = None) -> CommonAttentionMetadata:
@@ -74,15 +77,68 @@ class InputBatch:
         bs = self.block_size
         scheduled = out.scheduled
         n_reqs = len(scheduled)
+        reqs = [s.request for s in scheduled]
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n_reqs)
         lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, n_reqs)
+        continues = self._continues_decode(scheduled, reqs, starts, lens)
         qsl, seq_lens = self.query_start_loc.np, self.seq_lens.np
-        qsl[0] = 0
-        qsl[1:n_reqs + 1] = np.cumsum(lens)
+        if not continues:
+            qsl[0] = 0
+            qsl[1:n_reqs + 1] = np.cumsum(lens)
         seq_lens[:n_reqs] = starts + lens
         T = int(qsl[n_reqs])
+        unknown = self._write_tokens(scheduled, reqs, starts, T, continues)
+        row_of_token = np.repeat(np.arange(n_reqs), lens)
+        positions = self.positions.np[:T]
+        positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
+        self.new_blocks = []
+        rids = [r.request_id for r in reqs]
+        # Continuing, only a row whose token opens a block can have been given one; the check after it falls
+        # back to every row should a row's table still lack its token's block.
+        rows = np.flatnonzero(starts % bs == 0).tolist() if continues else range(n_reqs)
+        self._append_blocks(kv, rids, rows)
+        if continues and kv.needs_blocks and not (self.row_blocks[:n_reqs] * bs > starts).all():
+            self._append_blocks(kv, rids, range(n_reqs))
+        if not continues:
+            # Per-row columns in one numpy write each: an element write into a tensor costs microseconds.
+            self.state_indices.np[:n_reqs] = [kv.state_slots(rid) for rid in rids]
+            self.num_accepted.np[:n_reqs] = [r.num_accepted_tokens for r in reqs]
+            self.num_draft_tokens.numpy()[:n_reqs] = [s.num_draft_tokens for s in scheduled]
+            self.is_prefilling_np[:n_reqs] = [s.is_prefilling for s in scheduled]
+        if kv.needs_blocks:
+            block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
+            self.slot_mapping.np[:T] = block_ids * bs + positions % bs
+        else:
+            self.slot_mapping.np[:T] = -1
+        self._copy_to_device(n_reqs, T, rows_changed=not continues)
+        if unknown:
+            self._fill_in_flight(unknown, in_flight)
+        decode_only = T == n_reqs and not self.spec and not self.is_prefilling_np[:n_reqs].any()
+        self._last_decode_rows = reqs if decode_only else None
+        return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
+                              int(seq_lens[:n_reqs].max()) if n_reqs else 0, freeze_host=False)
+
+    def _continues_decode(self, scheduled: list, reqs: list, starts: np.ndarray, lens: np.ndarray) -> bool:
+        """Whether this step is the last one advanced by a token: the same requests in the same rows, each
+        decoding one token, after a step of one-token decodes. Its offsets, state slots and row flags then stand
+        as they are on the host and on the device, so the step writes only what moved (as upstream's persistent
+        batch does), instead of a Python pass per request over each of them."""
+        last = self._last_decode_rows
+        return (last is not None and len(last) == len(reqs) and all(map(operator.is_, reqs, last))
+                and bool((lens == 1).all()) and np.array_equal(starts, self.seq_lens.np[:len(reqs)])
+                and not any(s.is_prefilling for s in scheduled))
+
+    def _write_tokens(self, scheduled: list, reqs: list, starts: np.ndarray, T: int,
+                      continues: bool) -> list[tuple[int, str]]:
+        """Writes the step's token ids (drafts as scheduled, placeholders as 0); returns (position in the step,
+        request) of the tokens still on the device. A continuing step whose every token is in flight (async
+        scheduling's steady state) reads no request's tokens."""
+        if continues and (starts >= np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))).all():
+            self.draft_ids.np[:T] = 0
+            self.input_ids.np[:T] = 0
+            return [(pos, r.request_id) for pos, r in enumerate(reqs)]
         tokens: list[int] = []
-        unknown: list[tuple[int, str]] = []  # (position in the step, request) of tokens still on the device
+        unknown: list[tuple[int, str]] = []
         for s, start in zip(scheduled, starts.tolist()):
             drafts, req = s.draft_token_ids, s.request
             end = start + s.num_tokens - len(drafts)
@@ -95,12 +151,15 @@ class InputBatch:
             tokens += drafts
         self.draft_ids.np[:T] = tokens
         np.maximum(self.draft_ids.np[:T], 0, out=self.input_ids.np[:T])  # a placeholder runs as token 0
-        row_of_token = np.repeat(np.arange(n_reqs), lens)
-        positions = self.positions.np[:T]
-        positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
-        table, row_lists, row_blocks, self.new_blocks = self.block_table.np, self.row_lists, self.row_blocks, []
-        rids = [s.request.request_id for s in scheduled]
-        for r, rid in enumerate(rids):
+        return unknown
+
+    def _append_blocks(self, kv: KVCacheManager, rids: list[str], rows) -> None:
+        """Brings the table rows up to date with their requests' block lists: a row whose list is the one it
+        holds gets only the blocks added since, any other row is rewritten; the entries written are queued for
+        the device (new_blocks)."""
+        table, row_lists, row_blocks = self.block_table.np, self.row_lists, self.row_blocks
+        for r in rows:
+            rid = rids[r]
             blocks = kv.block_ids(rid)
             key = (rid, kv.block_list_id(rid))
             start = row_blocks[r] if row_lists[r] == key else 0
@@ -108,28 +167,16 @@ class InputBatch:
                 table[r, start:len(blocks)] = blocks[start:]
                 self.new_blocks.append((r, start, len(blocks)))
                 row_lists[r], row_blocks[r] = key, len(blocks)
-        # Per-row columns in one numpy write each: an element write into a tensor costs microseconds.
-        self.state_indices.np[:n_reqs] = [kv.state_slots(rid) for rid in rids]
-        self.num_accepted.np[:n_reqs] = [s.request.num_accepted_tokens for s in scheduled]
-        self.num_draft_tokens.numpy()[:n_reqs] = [s.num_draft_tokens for s in scheduled]
-        self.is_prefilling_np[:n_reqs] = [s.is_prefilling for s in scheduled]
-        if kv.needs_blocks:
-            block_ids = self.block_table.np[row_of_token, positions // bs].astype(np.int64)
-            self.slot_mapping.np[:T] = block_ids * bs + positions % bs
-        else:
-            self.slot_mapping.np[:T] = -1
-        self._copy_to_device(n_reqs, T)
-        if unknown:
-            self._fill_in_flight(unknown, in_flight)
-        return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
-                              int(seq_lens[:n_reqs].max()) if n_reqs else 0, freeze_host=False)
 
-    def _copy_to_device(self, num_reqs: int, num_tokens: int) -> None:
+    def _copy_to_device(self, num_reqs: int, num_tokens: int, rows_changed: bool = True) -> None:
         """One host-to-device copy per buffer, of the rows the step uses (the draft ids and accepted counts only
-        when speculating: nothing reads them otherwise)."""
-        self.query_start_loc.copy_to_device(num_reqs + 1)
+        when speculating: nothing reads them otherwise; the offsets and state slots only when `rows_changed`,
+        since a continuing decode step leaves them as the device holds them)."""
         spec_reqs, spec_tokens = ((self.num_accepted,), (self.draft_ids,)) if self.spec else ((), ())
-        for buf in (self.seq_lens, self.state_indices, *spec_reqs):
+        if rows_changed:
+            self.query_start_loc.copy_to_device(num_reqs + 1)
+            self.state_indices.copy_to_device(num_reqs)
+        for buf in (self.seq_lens, *spec_reqs):
             buf.copy_to_device(num_reqs)
         if self.new_blocks:
             rows = np.concatenate([np.full(e - b, r) for r, b, e in self.new_blocks])
@@ -190,6 +237,7 @@ class InputBatch:
         self.slot_mapping.np[:num_tokens] = -1
         self.block_table.np[:num_reqs] = 0
         self.row_lists[:num_reqs] = [None] * num_reqs  # the next step rewrites these rows
+        self._last_decode_rows = None
         self.new_blocks = []
         self.block_table.copy_to_device(num_reqs)
         self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
@@ -224,6 +272,7 @@ class InputBatch:
         n = common.num_reqs
         T = sum(cpu_lens)
         assert len(cpu_lens) == n and T <= common.num_actual_tokens
+        self._last_decode_rows = None  # the offsets and lengths below no longer describe the scheduled rows
         full_qsl = common.query_start_loc.long()
         qsl = torch.zeros(n + 1, dtype=torch.long, device=full_qsl.device)
         torch.cumsum(device_lens.long(), 0, out=qsl[1:])
