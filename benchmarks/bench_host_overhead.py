@@ -17,7 +17,8 @@ Long contexts: `--context-lens` gives each request a prompt of that many tokens 
 4096-token limit a tiny random K3 that takes them is written to a temp dir). `--stub-model` replaces the
 model's forward by zeros of the right shape, so prefilling 256 x 32K tokens takes seconds, not hours, and the
 timed steps measure the host alone (the engine's own code is unchanged). `--penalty` gives every request a
-repetition penalty (the sampler's per-request context then matters). Requests take FINAL_ONLY outputs, as
+repetition penalty (the sampler's per-request context then matters). `--full-rewrite` makes InputBatch
+rewrite every row each step, the peer of its continuing-decode path. Requests take FINAL_ONLY outputs, as
 LLM.generate does; the output processor's time is reported as "outputs", the sampler's (penalties, filters,
 the draw) as "sample".
 """
@@ -142,6 +143,8 @@ def main() -> None:
     ap.add_argument("--stub-model", action="store_true", help="zeros instead of the model's forward (host only)")
     ap.add_argument("--penalty", action="store_true", help="every request uses repetition_penalty=1.1")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--full-rewrite", action="store_true",
+                    help="refuse InputBatch's continuing-decode path (the A/B peer of that path)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="default: 512 MiB on CPU")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default); see "
                     "bench_common.set_threads")
@@ -170,6 +173,8 @@ def main() -> None:
         runner = engine.runner
         runner.model.forward = lambda ids, positions, meta: torch.zeros(ids.shape[0], hidden, dtype=runner.dtype,
                                                                         device=runner.device)
+    if args.full_rewrite:
+        engine.runner.input_batch._continues_decode = lambda *a: False  # instance attribute: this engine only
     timer = StepTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.input_batch, "prepare", "prepare")
