@@ -65,7 +65,8 @@ class InputBatch:
         # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
         # ran, which matters once a step is prepared while the one before may still be queued.
         self._copied: torch.cuda.Event | None = None
-        # The requests of the last step if it was one-token decodes only (see _continues_decode), else None.
+        # The requests of the last step if it was one-token decodes without speculation (see _continues_decode),
+        # else None.
         self._last_decode_rows: list | None = None
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager,
@@ -134,8 +135,7 @@ class InputBatch:
         request) of the tokens still on the device. A continuing step whose every token is in flight (async
         scheduling's steady state) reads no request's tokens."""
         if continues and (starts >= np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))).all():
-            self.draft_ids.np[:T] = 0
-            self.input_ids.np[:T] = 0
+            self.input_ids.np[:T] = 0  # draft ids are read only when speculating, which never continues
             return [(pos, r.request_id) for pos, r in enumerate(reqs)]
         tokens: list[int] = []
         unknown: list[tuple[int, str]] = []
