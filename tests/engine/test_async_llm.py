@@ -30,7 +30,7 @@ def test_concurrent_streams_equal_offline_and_free_everything():
     offline = [o.outputs[0].token_ids for o in LLM(**ARGS).generate(batch, GREEDY, use_tqdm=False)]
 
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
         results = await asyncio.gather(*(collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(batch)))
         await engine.shutdown()
         return engine, results
@@ -40,13 +40,13 @@ def test_concurrent_streams_equal_offline_and_free_everything():
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
         lens = [len(o.outputs[0].token_ids) for o in outs]
         assert lens == sorted(lens)  # cumulative
-    engine.engine.kv_cache_manager.assert_all_free()
+    engine.client.engine.kv_cache_manager.assert_all_free()
     assert engine.stats().generation_tokens_total == sum(map(len, offline))
 
 
 def test_cancel_mid_stream_aborts_and_frees():
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
         got = 0
@@ -55,15 +55,15 @@ def test_cancel_mid_stream_aborts_and_frees():
             if got == 3:
                 break  # like a client that disconnects
         await asyncio.sleep(0.05)
-        assert "short" not in engine.engine.output_processor.parents
+        assert "short" not in engine.client.engine.output_processor.parents
         long_run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await long_run
         for _ in range(100):  # the abort lands at the next loop turn
-            if not engine.engine.has_unfinished_requests():
+            if not engine.client.engine.has_unfinished_requests():
                 break
             await asyncio.sleep(0.01)
-        engine.engine.kv_cache_manager.assert_all_free()
+        engine.client.engine.kv_cache_manager.assert_all_free()
         await engine.shutdown()
 
     asyncio.run(main())
@@ -71,7 +71,7 @@ def test_cancel_mid_stream_aborts_and_frees():
 
 def test_bad_input_fails_only_its_request():
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
         good = asyncio.create_task(collect(engine, prompts([6])[0], GREEDY, "good"))
         with pytest.raises(ValueError, match="exceeds --max-model-len"):
             await collect(engine, list(range(5, 250)), SamplingParams(max_tokens=50), "bad")
@@ -83,13 +83,13 @@ def test_bad_input_fails_only_its_request():
 
 def test_shutdown_aborts_in_flight_requests():
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
         task = asyncio.create_task(collect(engine, prompts([6])[0], SamplingParams(max_tokens=240,
                                                                                    ignore_eos=True), "x"))
         await asyncio.sleep(0.2)
         await engine.shutdown()
         outs = await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-        engine.engine.kv_cache_manager.assert_all_free()
+        engine.client.engine.kv_cache_manager.assert_all_free()
 
     asyncio.run(main())

@@ -96,7 +96,7 @@ def test_online_fault_fails_only_its_stream(monkeypatch, reference):
             return e
 
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS))
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
         results = await asyncio.gather(*(stream(engine, p, f"r{i}") for i, p in enumerate(BATCH)))
         await engine.shutdown()
         return engine, results
@@ -107,4 +107,4 @@ def test_online_fault_fails_only_its_stream(monkeypatch, reference):
     for i, (out, want) in enumerate(zip(results, reference)):
         if i != bad:
             assert out.finished and out.outputs[0].token_ids == want
-    engine.engine.kv_cache_manager.assert_all_free()
+    engine.client.engine.kv_cache_manager.assert_all_free()

@@ -7,6 +7,7 @@ import os
 import sys
 
 from vllm.entrypoints.cli import generate, serve
+from vllm.logger import init_logging
 from vllm.version import __version__
 
 SUBCOMMANDS = {"generate": generate, "serve": serve}
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    init_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -163,7 +163,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if completion.shutting_down else 200)
+        return Response(status_code=503 if completion.shutting_down or engine.errored else 200)
 
     @app.get("/version")
     async def version() -> dict:

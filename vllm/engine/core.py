@@ -1,0 +1,165 @@
+"""EngineCore: the engine as the server drives it, and EngineCoreProc, its loop in a process of its own.
+
+`EngineCore` wraps an LLMEngine with what serving needs around a step: bad input fails only its request, a step
+that raises fails the requests in flight and the engine serves on, and counters for the metrics. The front end
+(`AsyncLLM`) reaches it through a client (`core_client.py`): in its own process, stepping in a worker thread, or
+in this module's process, which owns the GPU and steps as fast as the model runs, whatever the HTTP side costs
+(in one process the event loop and the step share the GIL; upstream's reason for its engine core process).
+
+The process protocol: one pipe each way, one pickled tuple per message.
+- front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (SHUTDOWN,);
+- core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, outputs,
+  rejected, stats) after each loop turn that changed something, and (STOPPED, outputs, rejected, stats) last.
+  `rejected` holds (request_id, exception) for requests that end with an error instead of an output. Outputs
+  travel without their prompt (text and ids), which the front end has and puts back: a long prompt would
+  otherwise be pickled again at every step of its request.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.logger import init_logging
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.spec_decode.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
+
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+READY, FAILED, OUTPUTS, STOPPED = "ready", "failed", "outputs", "stopped"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    state_slot_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_free_slots: int
+    num_slots: int  # that requests can hold (the null slot, which marks "no state", is not one)
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    spec_decode: SpecDecodeStats | None = None  # engine-wide speculative-decoding counters
+
+
+Rejected = list[tuple[str, Exception]]
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.prompt_tokens_total = 0
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Exception | None:
+        """Queues the request; bad input is returned (for that request's consumer), not raised."""
+        try:
+            self.prompt_tokens_total += self.engine.add_request(request_id, prompt, params)
+        except Exception as e:  # noqa: BLE001 - bad input: only this request fails
+            return e
+        return None
+
+    def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        return self.engine.abort_request(request_ids)
+
+    def abort_all(self) -> list[RequestOutput]:
+        return self.engine.abort_request(list(self.engine.output_processor.parents))
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> tuple[list[RequestOutput], Rejected]:
+        """One engine step. A step that raises is a bug, not bad input (the engine contains those per request):
+        every request in flight fails with it, and the engine stays up for new ones."""
+        try:
+            return self.engine.step(), []
+        except Exception as e:  # noqa: BLE001
+            logger.exception("engine step failed")
+            request_ids = list(self.engine.output_processor.parents)
+            self.engine.abort_request(request_ids)
+            error = RuntimeError(f"the engine failed while running this request: {e}")
+            return [], [(rid, error) for rid in request_ids]
+
+    def stats(self) -> EngineStats:
+        engine = self.engine
+        sched, kv = engine.scheduler, engine.kv_cache_manager
+        blocks, slots = kv.usage
+        return EngineStats(len(sched.running), len(sched.waiting), blocks, slots, kv.block_pool.num_free,
+                           kv.block_pool.num_blocks, len(kv.free_slots), kv.num_state_slots - 1,
+                           self.prompt_tokens_total, engine.output_processor.num_generation_tokens,
+                           engine.spec_decode_stats)
+
+
+def portable(error: BaseException) -> Exception:
+    """`error` if it survives pickling, else a RuntimeError with its text (an exception whose constructor takes
+    other arguments than its message cannot be rebuilt on the other side)."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int) -> None:
+    """The engine core process's main (EngineCoreProc upstream): builds the engine, then serves the pipe until
+    SHUTDOWN or until the front end is gone (its end of the pipe closes)."""
+    # A Ctrl-C reaches the whole process group; the front end turns it into a SHUTDOWN that ends the requests
+    # in flight cleanly. SIGTERM keeps its default: it is how the front end's exit reaps a core it could not stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_logging(log_level)
+    try:
+        core = EngineCore(LLMEngine.from_engine_args(args))
+    except BaseException as e:  # noqa: BLE001 - the front end reports it and exits
+        if not isinstance(e, ValueError):  # bad input is one line there; anything else keeps its traceback here
+            logger.exception("the engine failed to start")
+        outbox.send((FAILED, portable(e)))
+        return
+    try:
+        outbox.send((READY, core.engine.config, core.stats()))
+        _serve(core, inbox, outbox)
+    except (EOFError, OSError):
+        logger.warning("the front end went away; the engine core exits")
+
+
+def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+    while True:
+        outputs: list[RequestOutput] = []
+        rejected: Rejected = []
+        changed = stopping = False
+        wait = not core.has_work()  # idle: sleep in recv until the front end sends something
+        while wait or inbox.poll():
+            wait, changed = False, True
+            msg = inbox.recv()
+            if msg[0] == ADD:
+                error = core.add_request(*msg[1:])
+                if error is not None:
+                    rejected.append((msg[1], portable(error)))
+            elif msg[0] == ABORT:
+                outputs += core.abort(msg[1])
+            else:
+                stopping = True
+                break
+        if stopping:
+            outputs += core.abort_all()
+            outbox.send((STOPPED, _without_prompts(outputs), rejected, core.stats()))
+            return
+        if core.has_work():
+            stepped, failed = core.step()
+            outputs += stepped
+            rejected += failed
+            changed = True
+        if changed:
+            outbox.send((OUTPUTS, _without_prompts(outputs), rejected, core.stats()))
+
+
+def _without_prompts(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    for out in outputs:  # each output is built for this step alone: nothing else holds it
+        out.prompt, out.prompt_token_ids = None, []
+    return outputs

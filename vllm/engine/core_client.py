@@ -1,0 +1,232 @@
+"""How the front end (AsyncLLM) reaches the engine core: in its own process or in a process of the core's own.
+
+Both clients take requests and aborts at any time from the event loop, hand each turn's outputs to the
+`OutputSink` the front end gives `start()`, and answer `stats()` without waiting:
+- `InprocClient` steps the core in a worker thread of the front end's process. All engine mutations (add,
+  abort, step) happen in its loop task, one at a time: requests and aborts are queued and applied between
+  steps, so the engine needs no locks. Tests use it to reach the engine's internals.
+- `MPClient` runs the core in a spawned process (`core.run_engine_core`), the server's default. A sender
+  thread writes to the core's pipe, so the event loop never blocks on a full pipe (which, with the core
+  blocked writing outputs the loop was not reading, would deadlock); the loop reads outputs as the pipe becomes
+  readable. If the core process dies, every request in flight fails and so does every new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import threading
+from typing import Protocol
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.core import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, STOPPED, EngineCore, EngineStats,
+                              Rejected, run_engine_core)
+from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 30  # for the core to abort what is in flight and answer; then its process is killed
+
+
+class OutputSink(Protocol):
+    def on_outputs(self, outputs: list[RequestOutput], rejected: Rejected) -> None: ...
+
+    def on_engine_dead(self, error: Exception) -> None: ...
+
+
+class InprocClient:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.core = EngineCore(engine)
+        self.config, self.tokenizer = engine.config, engine.tokenizer
+        self.dead = False  # a failed step fails its requests, never the engine
+        self._sink: OutputSink | None = None
+        self._requests: list[tuple[str, PromptType, SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    def start(self, sink: OutputSink) -> None:
+        """Starts the step loop; call from inside the running event loop."""
+        if self._task is None:
+            self._sink = sink
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        self._requests.append((request_id, prompt, params))
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def shutdown(self) -> None:
+        """Stops the loop; requests still in flight end with finish_reason 'abort'."""
+        self._stopping = True
+        if self._task is not None:
+            self._wakeup.set()
+            await self._task
+            self._task = None
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_requests()
+            if self._stopping:
+                self._sink.on_outputs(self.core.abort_all(), [])
+                return
+            if not self.core.has_work():
+                self._wakeup.clear()
+                if not (self._requests or self._aborts or self._stopping):
+                    await self._wakeup.wait()
+                continue
+            self._sink.on_outputs(*await loop.run_in_executor(None, self.core.step))
+
+    def _apply_requests(self) -> None:
+        requests, self._requests = self._requests, []
+        rejected = [(rid, error) for rid, prompt, params in requests
+                    if (error := self.core.add_request(rid, prompt, params)) is not None]
+        aborts, self._aborts = self._aborts, []
+        outputs = self.core.abort(aborts) if aborts else []
+        if rejected or outputs:
+            self._sink.on_outputs(outputs, rejected)
+
+
+class MPClient:
+    def __init__(self, args: EngineArgs) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a forked child would inherit CUDA and the loop's threads
+        core_inbox, self._to_core = ctx.Pipe(duplex=False)
+        self._from_core, core_outbox = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
+                                args=(args, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel()))
+        self.proc.start()
+        core_inbox.close()  # the child's ends: closed here, so the pipe reports EOF when the child is gone
+        core_outbox.close()
+        try:
+            self.config, self._stats = self._await_ready()
+            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+        except BaseException as e:  # a bad checkpoint, Ctrl-C while loading: nothing may outlive us
+            self._reap(0 if isinstance(e, KeyboardInterrupt) else 5)
+            raise
+        self.dead = self._closed = False
+        self._sink: OutputSink | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future | None = None
+        # Prompts of the requests in flight, put back on their outputs (the core sends them without).
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="engine-core-sender", daemon=True)
+        self._sender.start()
+
+    def _await_ready(self):
+        try:
+            msg = self._from_core.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"the engine process exited with code {self.proc.exitcode} while starting; its log "
+                               "above says why") from None
+        if msg[0] == FAILED:
+            raise msg[1]
+        assert msg[0] == READY, msg[0]
+        return msg[1], msg[2]
+
+    def start(self, sink: OutputSink) -> None:
+        """Starts reading outputs; call from inside the running event loop."""
+        if self._loop is None:
+            self._sink, self._loop = sink, asyncio.get_running_loop()
+            self._stopped = self._loop.create_future()
+            self._loop.add_reader(self._from_core.fileno(), self._on_readable)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if self.dead:
+            raise RuntimeError("the engine process has died; the server cannot run requests")
+        if isinstance(prompt, dict):
+            self._prompts[request_id] = (prompt.get("prompt"), prompt.get("prompt_token_ids") or [])
+        else:
+            self._prompts[request_id] = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+        self._outbox.put((ADD, request_id, prompt, params))
+
+    def abort(self, request_id: str) -> None:
+        if not self.dead:
+            self._outbox.put((ABORT, request_id))
+
+    async def shutdown(self) -> None:
+        """Asks the core to abort what is in flight and exit (its outputs arrive first), then reaps it."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.dead:
+            self._outbox.put((SHUTDOWN,))
+            if self._stopped is not None and not self._stopped.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._stopped), SHUTDOWN_TIMEOUT_S)
+                except TimeoutError:
+                    logger.warning("the engine process did not stop within %d s; killing it", SHUTDOWN_TIMEOUT_S)
+        self._outbox.put(None)  # the sender writes what is queued, then ends
+        await asyncio.to_thread(self._sender.join, SHUTDOWN_TIMEOUT_S)
+        await asyncio.to_thread(self._reap, SHUTDOWN_TIMEOUT_S)
+
+    def stats(self) -> EngineStats:
+        """As of the core's last message: at most one step old."""
+        return self._stats
+
+    # ---- the pipe ---------------------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._to_core.send(msg)
+            except OSError:  # the core is gone; the reader reports it
+                return
+
+    def _on_readable(self) -> None:
+        try:
+            while self._from_core.poll():
+                kind, outputs, rejected, self._stats = self._from_core.recv()
+                self._deliver(outputs, rejected)
+                if kind == STOPPED:
+                    self._close_reader()
+                    self._stopped.set_result(None)
+                    return
+                assert kind == OUTPUTS, kind
+        except (EOFError, OSError):
+            self._close_reader()
+            self._engine_died()
+
+    def _deliver(self, outputs: list[RequestOutput], rejected: Rejected) -> None:
+        for out in outputs:
+            out.prompt, out.prompt_token_ids = self._prompts.get(out.request_id, (None, []))
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+        for rid, _ in rejected:
+            self._prompts.pop(rid, None)
+        self._sink.on_outputs(outputs, rejected)
+
+    def _engine_died(self) -> None:
+        self.dead = True
+        self.proc.join(1)
+        error = RuntimeError(f"the engine process died (exit code {self.proc.exitcode}); its log says why")
+        logger.error("%s", error)
+        self._prompts.clear()
+        self._stopped.set_result(None)
+        self._sink.on_engine_dead(error)
+
+    def _close_reader(self) -> None:
+        self._loop.remove_reader(self._from_core.fileno())
+
+    def _reap(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self._to_core.close()
+        self._from_core.close()
