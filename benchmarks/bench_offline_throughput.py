@@ -15,8 +15,9 @@ transformers runs its plain torch KDA (the tests/hf_oracle.py import trick); on 
 (fla-core kernels if importable), recorded in the JSON. `--engines` picks among `ours` (the engine's defaults:
 CUDA graphs and async scheduling on CUDA), `ours_sync` (defaults but --no-async-scheduling), `ours_eager`
 (--enforce-eager) and `hf`. `--ttft-lens`: one request of each length with
-max_tokens=1 through our engine (its default token budget, so long prompts run in chunks) against
-transformers' forward on the same prompt (no cache, logits for the last token only), medians of --repeats.
+max_tokens=1 through our engine (its default token budget, so long prompts run in chunks; `ours` and, when
+listed, `ours_eager`) against transformers' forward on the same prompt (no cache, logits for the last token
+only), medians of --repeats.
 Writes JSON (raw per-repeat times) and a bar-chart PNG.
 """
 from __future__ import annotations
@@ -109,8 +110,10 @@ def plot(rows: list[dict], ttft: list[dict], engines: list[str], meta: dict, tit
     if ttft:
         ax = axes[0][1]
         lens = [r["prompt_len"] for r in ttft]
-        for key, label in (("ours", "ours: TTFT (generate, max_tokens=1)"), ("hf", "transformers forward")):
-            ax.plot(lens, [r[key]["ms"]["median"] for r in ttft], marker="o", label=label)
+        for key, label in (("ours", "ours: TTFT (generate, max_tokens=1)"), ("ours_eager", "ours, eager: TTFT"),
+                           ("hf", "transformers forward")):
+            if key in ttft[0]:
+                ax.plot(lens, [r[key]["ms"]["median"] for r in ttft], marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms (median)", title="time to first token")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -199,9 +202,12 @@ def main() -> None:
     torch.cuda.empty_cache() if args.device == "cuda" else None
     ttft_rows = []
     if ttft_lens:
-        # Eager: a max_tokens=1 request never decodes, so graphs would only add their capture to the start-up.
-        llm = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory_bytes=kv_bytes,
-                  max_model_len=max(ttft_lens) + 8, enforce_eager=True)
+        # `ours` with the engine's defaults (prompt chunks of up to 512 tokens replay piecewise graphs on CUDA);
+        # `ours_eager` too when it is benchmarked, which is how a prompt ran before piecewise graphs.
+        ttft_engines = [k for k in ("ours", "ours_eager") if k in engines] or ["ours"]
+        ttft_llms = {k: LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed,
+                            kv_cache_memory_bytes=kv_bytes, max_model_len=max(ttft_lens) + 8, max_num_seqs=8,
+                            enforce_eager=k == "ours_eager") for k in ttft_engines}
         one = SamplingParams(temperature=0.0, max_tokens=1)
         for n in ttft_lens:
             ids = torch.randint(3, cfg["vocab_size"], (1, n), generator=gen)
@@ -210,14 +216,16 @@ def main() -> None:
             @torch.inference_mode()
             def hf_forward(ids=ids.to(args.device)):
                 return hf(ids, logits_to_keep=1).logits
-            times, _ = time_interleaved({"ours": lambda req=req: llm.generate(req, one, use_tqdm=False),
-                                         "hf": hf_forward}, args.repeats, args.device)
+            fns = {k: (lambda req=req, llm=llm: llm.generate(req, one, use_tqdm=False))
+                   for k, llm in ttft_llms.items()}
+            times, _ = time_interleaved({**fns, "hf": hf_forward}, args.repeats, args.device)
             row = {"prompt_len": n, **{k: {"ms": stats([t * 1e3 for t in v])} for k, v in times.items()}}
-            row["ratio_ours_over_hf"] = row["ours"]["ms"]["median"] / row["hf"]["ms"]["median"]
+            row["ratio_ours_over_hf"] = row["ours"]["ms"]["median"] / row["hf"]["ms"]["median"] \
+                if "ours" in row else None
             ttft_rows.append(row)
-            print(f"TTFT {n:>6} tokens: ours {row['ours']['ms']['median']:8.1f} ms  transformers "
-                  f"{row['hf']['ms']['median']:8.1f} ms", flush=True)
-        del llm
+            print(f"TTFT {n:>6} tokens: " + "  ".join(f"{k} {row[k]['ms']['median']:8.1f} ms" for k in fns)
+                  + f"  transformers {row['hf']['ms']['median']:8.1f} ms", flush=True)
+        del ttft_llms
     shutil.rmtree(tmp, ignore_errors=True)
     import transformers
     data = {**meta, "benchmark": "offline_throughput", "config": {**vars(args), "model_config": cfg},

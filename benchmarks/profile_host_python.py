@@ -74,7 +74,6 @@ def main() -> None:
     first = SamplingParams(max_tokens=1, temperature=0.0)
     report(f"time to first token, {args.prompt_len} prompt tokens",
            lambda: llm.generate([{"prompt_token_ids": ids}], first, use_tqdm=False), args)
-    del llm
 
     eager = LLM(**common, enforce_eager=True)
     engine = eager.llm_engine

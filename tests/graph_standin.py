@@ -110,11 +110,14 @@ class NoDeviceReads(TorchFunctionMode):
             self.suspended -= 1
 
 
-def _roots(runner) -> list[torch.Tensor]:
-    """The runner's device tensors: persistent input buffers, weights, buffers and the layers' cache pools."""
-    roots = [buf.gpu for buf in vars(runner.input_batch).values() if hasattr(buf, "gpu")]
-    roots += list(runner.model.parameters()) + list(runner.model.buffers())
-    for module in runner.model.modules():
+def _roots(owner) -> list[torch.Tensor]:
+    """The device tensors of a capture's owner (the runner, or its PiecewiseCUDAGraphs): persistent input
+    buffers (and the pieces' buffers), weights, buffers and the layers' cache pools."""
+    roots = [buf.gpu for buf in vars(owner.input_batch).values() if hasattr(buf, "gpu")] \
+        if hasattr(owner, "input_batch") else [owner.input_ids]
+    roots += tree_leaves(getattr(owner, "buffers", {}))
+    roots += list(owner.model.parameters()) + list(owner.model.buffers())
+    for module in owner.model.modules():
         roots += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
     return roots
 
@@ -127,8 +130,12 @@ class ReplayByRerun:
         self.guard: NoDeviceReads | None = None
 
     def capture(self, desc, fn, warmup: int = 1) -> None:
+        roots = _roots(fn.func.__self__)  # fn = partial(runner._forward, ...) or partial(pieces._piece, ...)
         if self.guard is None:
-            self.guard = NoDeviceReads(_roots(fn.func.__self__))  # fn = partial(runner._forward, ...)
+            self.guard = NoDeviceReads(roots)
+        else:  # the pieces' buffers exist only once their first capture has made them
+            self.guard.roots |= {_storage(t) for t in roots if t.numel()}
+            self.guard.device |= self.guard.roots
         fn()  # the warm-up runs eagerly, as CUDAGraphRunner's does
         self._guarded(fn)
         self.fns[desc] = fn

@@ -153,7 +153,7 @@ class SpeculativeConfig:
         return cls(**data)
 
 
-CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "FULL_AND_PIECEWISE")
 COMPILATION_CONFIG_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
 
 
@@ -162,14 +162,16 @@ class CompilationConfig:
     """`--compilation-config '{"cudagraph_mode": ..., "cudagraph_capture_sizes": [...]}'` and `--enforce-eager`.
 
     cudagraph_mode: NONE (eager), FULL_DECODE_ONLY (graphs for decode/verify batches, eager for any batch with a
-    prefill row; the default on CUDA, as upstream) or FULL (graphs for mixed batches too, only if every backend is
-    ALWAYS). The graphs' memory pool is measured before the cache is sized and left out of it.
+    prefill row), FULL (graphs for mixed batches too, only if every backend is ALWAYS), PIECEWISE (every step of up
+    to 512 tokens replays graphs of the pieces between attention cores, which run eagerly: worker/piecewise.py) or
+    FULL_AND_PIECEWISE (full graphs for decode/verify batches, pieces for the rest: upstream's default, and ours on
+    CUDA). The graphs' memory pool is measured before the cache is sized and left out of it.
     Capture sizes are token counts; None picks 1, 2, 4, 8 and multiples of 8 up to max_cudagraph_capture_size
     (None: what a full decode batch can take, max_num_seqs x (1 + num_speculative_tokens), within the token
     budget), rounded to multiples of 1 + num_speculative_tokens by the runner. `enforce_eager` forces NONE.
     """
     enforce_eager: bool = False
-    cudagraph_mode: str | None = None  # None: FULL_DECODE_ONLY on CUDA, NONE elsewhere
+    cudagraph_mode: str | None = None  # None: FULL_AND_PIECEWISE on CUDA, NONE elsewhere
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
 
@@ -201,10 +203,10 @@ class CompilationConfig:
         return cls(enforce_eager=enforce_eager, **data)
 
     def resolved_mode(self, device: torch.device) -> str:
-        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag (FULL_DECODE_ONLY when unset)."""
+        """The mode asked for: NONE under --enforce-eager or off CUDA, else the flag (FULL_AND_PIECEWISE when unset)."""
         if self.enforce_eager or device.type != "cuda":
             return "NONE"
-        return self.cudagraph_mode or "FULL_DECODE_ONLY"
+        return self.cudagraph_mode or "FULL_AND_PIECEWISE"
 
 
 @dataclass(slots=True)

@@ -158,6 +158,6 @@ def test_default_capture_sizes_cover_every_full_decode_batch():
 
 
 def test_graphs_are_the_default_on_cuda_only():
-    assert CompilationConfig().resolved_mode(torch.device("cuda")) == "FULL_DECODE_ONLY"
+    assert CompilationConfig().resolved_mode(torch.device("cuda")) == "FULL_AND_PIECEWISE"
     assert CompilationConfig().resolved_mode(torch.device("cpu")) == "NONE"
     assert CompilationConfig(enforce_eager=True).resolved_mode(torch.device("cuda")) == "NONE"

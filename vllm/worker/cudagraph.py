@@ -1,4 +1,5 @@
-"""Full CUDA graphs for decode/verify (and, under FULL, mixed) batches: which to capture, which to replay.
+"""Full CUDA graphs for decode/verify (and, under FULL, mixed) batches: which to capture, which to replay (the
+piecewise graphs of the other steps are in piecewise.py).
 
 A `BatchDescriptor` keys one captured graph. The runner picks the capture sizes (`capture_sizes`), turns them
 into descriptors (`capture_descriptors`) for the mode the attention backends allow (`resolve_mode`), captures
@@ -21,6 +22,16 @@ class CUDAGraphMode(enum.Enum):
     NONE = "NONE"
     FULL_DECODE_ONLY = "FULL_DECODE_ONLY"
     FULL = "FULL"
+    PIECEWISE = "PIECEWISE"  # no full graphs: every step runs in pieces (vllm/worker/piecewise.py)
+    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"  # full graphs for decode/verify batches, pieces for the rest
+
+    @property
+    def has_full_decode(self) -> bool:
+        return self in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +70,7 @@ def capture_descriptors(sizes: list[int], max_num_seqs: int, num_speculative_tok
     Verify graphs are varlen (rows of 1..1+K tokens, e.g. under adaptive verification), so they are sized for the
     worst case of one token per request; without speculation every decode row has exactly one token.
     """
-    if mode is CUDAGraphMode.NONE:
+    if not mode.has_full_decode:
         return []
     k = num_speculative_tokens
     descs = [BatchDescriptor(n, min(n, max_num_seqs), 1 + k, None if k > 0 else 1) for n in sizes]
@@ -76,16 +87,18 @@ def resolve_mode(requested: CUDAGraphMode, support: AttentionCGSupport,
         mode = CUDAGraphMode.FULL_DECODE_ONLY
         reason = (f"FULL needs every attention backend to support ALWAYS (mixed prefill+decode batches), "
                   f"the weakest supports {support.name}; using FULL_DECODE_ONLY")
-    if mode is CUDAGraphMode.FULL_DECODE_ONLY:
+    if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
         # Our verify graphs are varlen (rows of 1..1+K tokens), which only ALWAYS backends can replay.
         need = (AttentionCGSupport.ALWAYS if num_speculative_tokens > 0
                 else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
         if support < need:
             what = (f"varlen verify graphs (num_speculative_tokens={num_speculative_tokens})"
                     if num_speculative_tokens > 0 else "1-token decode graphs")
+            # Pieces never capture a core, so they need no backend support.
+            lowered = CUDAGraphMode.PIECEWISE if mode is CUDAGraphMode.FULL_AND_PIECEWISE else CUDAGraphMode.NONE
             reason = (f"{(reason + '; then ') if reason else ''}{what} need attention support {need.name}, "
-                      f"the weakest backend supports {support.name}; running eagerly (cudagraph_mode NONE)")
-            mode = CUDAGraphMode.NONE
+                      f"the weakest backend supports {support.name}; using cudagraph_mode {lowered.value}")
+            mode = lowered
     return mode, reason
 
 

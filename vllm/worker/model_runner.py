@@ -30,6 +30,7 @@ from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
                                    capture_descriptors, capture_sizes, resolve_mode)
 from vllm.worker.input_batch import InFlightTokens, InputBatch
+from vllm.worker.piecewise import PiecewiseCUDAGraphs, piecewise_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class ModelRunner:
         self.device_trim_hook: DeviceTrimHook | None = None
         self.dispatcher = CudaGraphDispatcher([])
         self.graphs: CUDAGraphRunner | None = None
+        self.piecewise: PiecewiseCUDAGraphs | None = None
 
     def set_device_trim_hook(self, hook: DeviceTrimHook | None) -> None:
         """Installs the adaptive-verification seam: on a step where every row verifies drafts, the hook gets
@@ -168,6 +170,11 @@ class ModelRunner:
         builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
         support = min(b.cudagraph_support for b in builders)
         mode, reason = resolve_mode(requested, support, self.num_spec)
+        if mode.has_piecewise and self.hf_config.attn_res_block_size is not None:
+            lowered = CUDAGraphMode.NONE if mode is CUDAGraphMode.PIECEWISE else CUDAGraphMode.FULL_DECODE_ONLY
+            reason = (f"{(reason + '; then ') if reason else ''}piecewise graphs need a forward in pieces, which "
+                      f"AttnRes stacks (attn_res_block_size) do not have; using {lowered.value}")
+            mode = lowered
         if reason is not None:
             logger.warning("cudagraph_mode %s -> %s: %s", requested.value, mode.value, reason)
         return mode
@@ -180,8 +187,9 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
                                       self.device, slots_per_request=1 + self.num_spec)
         descs = self._graph_descriptors()
+        pieces = piecewise_sizes(sc.max_num_batched_tokens) if self.cudagraph_mode.has_piecewise else []
         peak = self._profile_peak_bytes()
-        graph_bytes = self._measure_graph_bytes(descs[0]) if descs else 0
+        graph_bytes = self._measure_graph_bytes(descs[:1], pieces[-1:]) if descs or pieces else 0
         self.layout = plan_cache(self.config, peak, graph_bytes)
         lay = self.layout
         caches = allocate_layer_caches(self.hf_config, lay.num_blocks, self.block_size, lay.num_state_slots,
@@ -190,8 +198,8 @@ class ModelRunner:
         kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
                             needs_blocks=bool(self.hf_config.mla_layers),
                             needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
-        if descs:
-            self._capture_cudagraphs(descs, graph_bytes)
+        if descs or pieces:
+            self._capture_cudagraphs(descs, pieces, graph_bytes)
         return kv
 
     def _graph_descriptors(self) -> list[BatchDescriptor]:
@@ -203,10 +211,11 @@ class ModelRunner:
         return sorted(descs, key=lambda d: (-d.num_tokens, -d.num_reqs))
 
     @torch.inference_mode()
-    def _measure_graph_bytes(self, largest: BatchDescriptor) -> int:
-        """Device memory the graphs will hold, measured before the cache is sized: the largest graph captured over
-        scratch caches of one block and the null slot (all a capture touches), then released. Smaller graphs
-        share its pool; a margin covers their own executable state. 0 off CUDA."""
+    def _measure_graph_bytes(self, largest: list[BatchDescriptor], largest_pieces: list[int]) -> int:
+        """Device memory the graphs will hold, measured before the cache is sized: the largest full graph and the
+        largest size's pieces (with their buffers) captured over scratch caches of one block and the null slot
+        (all a capture touches), then released. Smaller graphs share the pool; a margin covers their own
+        executable state. 0 off CUDA."""
         if self.device.type != "cuda":
             return 0
         cc = self.config.cache_config
@@ -216,10 +225,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free_before = self._free_device_bytes()
         trial = CUDAGraphRunner(self.device)
-        self._capture_one(trial, largest)
+        for desc in largest:
+            self._capture_one(trial, desc)
+        pieces = self._piecewise(trial, largest_pieces)
+        for size in largest_pieces:
+            pieces.capture(size)
         torch.cuda.synchronize(self.device)
         used = free_before - self._free_device_bytes()
-        del trial, scratch
+        del trial, pieces, scratch
         torch.cuda.empty_cache()
         return int(used * GRAPH_MEMORY_MARGIN) + GRAPH_MEMORY_SLACK_BYTES
 
@@ -238,22 +251,42 @@ class ModelRunner:
                                f"{self.backend_names}; run with --enforce-eager or "
                                '--compilation-config \'{"cudagraph_mode": "NONE"}\'') from e
 
+    def _piecewise(self, graphs: CUDAGraphRunner, sizes: list[int]) -> PiecewiseCUDAGraphs | None:
+        return PiecewiseCUDAGraphs(self.model.model, self.input_batch.input_ids.gpu, graphs, sizes) if sizes else None
+
     @torch.inference_mode()
-    def _capture_cudagraphs(self, descs: list[BatchDescriptor], reserved_bytes: int) -> None:
-        """Captures one graph per descriptor, largest first, over the real pools."""
+    def _capture_cudagraphs(self, descs: list[BatchDescriptor], pieces: list[int], reserved_bytes: int) -> None:
+        """Captures one graph per descriptor and the pieces at each size, largest first, over the real pools."""
         self.dispatcher = CudaGraphDispatcher(descs)
         self.graphs = CUDAGraphRunner(self.device)
+        self.piecewise = self._piecewise(self.graphs, pieces)
         free_before = self._free_device_bytes()
         start = time.monotonic()
-        for desc in tqdm(descs, desc="Capturing CUDA graphs"):
-            self._capture_one(self.graphs, desc)
+        work = [("full", d) for d in descs] + [("pieces", n) for n in reversed(pieces)]
+        for kind, what in tqdm(work, desc="Capturing CUDA graphs"):
+            if kind == "full":
+                self._capture_one(self.graphs, what)
+            else:
+                self._capture_pieces(what)
         used = free_before - self._free_device_bytes()
-        logger.info("captured %d CUDA graphs (%s), %d..%d tokens, in %.1f s: %.1f MiB (%.1f MiB were set aside "
-                    "when the cache was sized)", len(descs), self.cudagraph_mode.value, descs[-1].num_tokens,
-                    descs[0].num_tokens, time.monotonic() - start, used / 2**20, reserved_bytes / 2**20)
+        what = [f"{len(descs)} full ({descs[-1].num_tokens}..{descs[0].num_tokens} tokens)"] if descs else []
+        if pieces:
+            what.append(f"{len(pieces)} x {len(self.model.model.layers) + 1} piecewise ({pieces[0]}..{pieces[-1]} "
+                        "tokens)")
+        logger.info("captured CUDA graphs (%s): %s, in %.1f s: %.1f MiB (%.1f MiB were set aside when the cache "
+                    "was sized)", self.cudagraph_mode.value, ", ".join(what), time.monotonic() - start,
+                    used / 2**20, reserved_bytes / 2**20)
         if used > reserved_bytes > 0:
             logger.warning("the CUDA graphs took %.1f MiB more than was set aside for them; lower "
                            "--gpu-memory-utilization if memory runs short", (used - reserved_bytes) / 2**20)
+
+    def _capture_pieces(self, size: int) -> None:
+        try:
+            self.piecewise.capture(size)
+        except Exception as e:  # noqa: BLE001 - a piece that syncs with the host
+            raise RuntimeError(f"capturing the piecewise CUDA graphs at {size} tokens failed ({type(e).__name__}: "
+                               f"{e}); run with --enforce-eager or "
+                               '--compilation-config \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'') from e
 
     def _free_device_bytes(self) -> int:
         """Free device memory; 0 off CUDA (where the worker tests stand a rerun in for capture)."""
@@ -330,7 +363,9 @@ class ModelRunner:
             common = self.input_batch.trim_on_device(common, trimmed, device_lens)
         T = common.num_actual_tokens
         desc = self._graph_for(common)
-        if desc is None:
+        if desc is None and self.piecewise is not None and T <= self.piecewise.max_size:
+            hidden = self.piecewise.run(T, self._attn_metadata(common))
+        elif desc is None:
             hidden = self._forward(T, common)
         else:
             self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)

@@ -61,16 +61,23 @@ class KimiDeltaAttention(nn.Module):
         gates = (self.f_a_proj,) + (() if hasattr(self, "g_proj") else (self.g_a_proj,))
         self.gate_a_weight = merge_linear_weights(*gates)
 
-    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"
+    # The mixer in three parts, so that piecewise CUDA graphs (vllm/worker/piecewise.py) can capture the
+    # projections and run only the stateful core eagerly: forward = output(attend(project(x)), x).
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(mixed_qkv, raw_gate, raw_beta, output_gate), the core's inputs."""
         assert self.qkv_weight is not None, "KimiDeltaAttention.process_weights_after_loading() was not run"
         mixed_qkv = nn.functional.linear(x, self.qkv_weight)
         gate_a = nn.functional.linear(x, self.gate_a_weight)
         K = self.head_dim
-        if hasattr(self, "g_proj"):
-            output_gate = self.g_proj(x)
-        else:
-            output_gate = self.g_b_proj(gate_a[..., K:])
-        y = self.backend.forward(self, mixed_qkv, self.f_b_proj(gate_a[..., :K]), self.b_proj(x), output_gate,
-                                 self.conv_state, self.ssm_state, attn_metadata)
+        output_gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(gate_a[..., K:])
+        return mixed_qkv, self.f_b_proj(gate_a[..., :K]), self.b_proj(x), output_gate
+
+    def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"
+        return self.backend.forward(self, *inputs, self.conv_state, self.ssm_state, attn_metadata)
+
+    def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(y)
+
+    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.output(self.attend(self.project(x), attn_metadata), x)

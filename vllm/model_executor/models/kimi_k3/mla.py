@@ -35,21 +35,30 @@ class KimiMLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
         self.kv_cache: torch.Tensor | None = None  # bound by the engine: [blocks, block_size, L + R]
 
-    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        assert self.kv_cache is not None, "MLA latent cache is not bound"
+    # In three parts as KDA's mixer is (piecewise CUDA graphs): forward = output(attend(project(x)), x).
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q [T, H, qk_head_dim], latent [T, kv_lora_rank + rope dim]), the core's inputs."""
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.mla_rope_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1)
-        o = self.backend.forward(q.unflatten(-1, (self.num_heads, self.qk_head_dim)), latent, self.kv_cache,
-                                 self.kv_b_proj.weight, self.qk_nope_head_dim, self.v_head_dim, self.scale,
-                                 attn_metadata)
+        return q.unflatten(-1, (self.num_heads, self.qk_head_dim)), torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1)
+
+    def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
+        assert self.kv_cache is not None, "MLA latent cache is not bound"
+        q, latent = inputs
+        return self.backend.forward(q, latent, self.kv_cache, self.kv_b_proj.weight, self.qk_nope_head_dim,
+                                    self.v_head_dim, self.scale, attn_metadata)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "g_proj"):
             # The K3 gate reads the mixer's input, not the attention output.
             o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.num_heads, -1)).to(o.dtype)
         return self.o_proj(o.flatten(-2))
+
+    def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.output(self.attend(self.project(x), attn_metadata), x)
 
     @property
     def mla_rope_dim(self) -> int:

@@ -95,19 +95,41 @@ class KimiK3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         """Pre-norm hidden states [T, D] of the last layer (the final norm is applied in compute_logits)."""
-        h = self.embed_tokens(input_ids)
         if self.config.attn_res_block_size is not None:
-            return self._forward_attn_res(h, attn_metadata)
-        # Each residual add is fused into the norm after it: h = h + delta, x = norm(h) in one launch.
-        delta = None
-        for layer in self.layers:
-            if delta is None:
-                x = layer.input_layernorm(h)
-            else:
-                x, h = layer.input_layernorm(delta, h)
-            x, h = layer.post_attention_layernorm(layer.mixer(x, attn_metadata), h)
-            delta = layer.ffn(x)
-        return h + delta
+            return self._forward_attn_res(self.embed_tokens(input_ids), attn_metadata)
+        h, x, inputs = self.begin(input_ids)
+        last = len(self.layers) - 1
+        for i in range(last):
+            h, x, inputs = self.between(i, self.attend(i, inputs, attn_metadata), h, x)
+        return self.end(self.attend(last, inputs, attn_metadata), h, x)
+
+    # The forward in pieces that cut each layer at its attention core: begin, then for each layer its core
+    # (`attend`, the only part that reads the attention metadata, caches and states) and the piece after it
+    # (`between` up to the next core, `end` after the last). Piecewise CUDA graphs (vllm/worker/piecewise.py)
+    # capture the pieces and run the cores eagerly; the eager forward runs the same code. Each residual add is
+    # fused into the norm after it: h = h + delta, x = norm(h) in one launch. Not for AttnRes stacks.
+    def begin(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(residual stream h, first layer's normed input x, its core's inputs)."""
+        h = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(h)
+        return h, x, self.layers[0].self_attn.project(x)
+
+    def attend(self, i: int, inputs: tuple[torch.Tensor, ...], attn_metadata: HybridAttentionMetadata):
+        layer = self.layers[i]
+        return layer.self_attn.attend(inputs, attn_metadata.kda if layer.is_kda else attn_metadata.mla)
+
+    def between(self, i: int, y: torch.Tensor, h: torch.Tensor,
+                x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """From layer i's core output `y` to layer i+1's core inputs: (h, x, inputs) as `begin` returns them."""
+        layer, following = self.layers[i], self.layers[i + 1]
+        x, h = layer.post_attention_layernorm(layer.self_attn.output(y, x), h)
+        x, h = following.input_layernorm(layer.ffn(x), h)
+        return h, x, following.self_attn.project(x)
+
+    def end(self, y: torch.Tensor, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[-1]
+        x, h = layer.post_attention_layernorm(layer.self_attn.output(y, x), h)
+        return h + layer.ffn(x)
 
     def _forward_attn_res(self, emb: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         """Block AttnRes: P is the running partial-block sum; snapshots[b] holds the stream at block b's start
