@@ -54,7 +54,19 @@ def run_capturing(model, modules: dict, num_tokens: int, seed: int):
     def hook(key):
         return lambda mod, args, out: records.__setitem__(key, (args[0].double(), out.double()))
 
-    handles = [m.register_forward_hook(hook(key)) for key, m in modules.items()]
+    def recording_output(key, output):
+        """An attention mixer's last part, output(y, x), sees the mixer's input x and makes its output: the
+        forward in pieces (KimiK3Model.begin/between/end) never calls the mixer module itself."""
+        def output_and_record(y, x):
+            out = output(y, x)
+            records[key] = (x.double(), out.double())
+            return out
+        return output_and_record
+
+    mixers = {key: m for key, m in modules.items() if hasattr(m, "project")}
+    handles = [m.register_forward_hook(hook(key)) for key, m in modules.items() if key not in mixers]
+    for key, m in mixers.items():
+        m.output = recording_output(key, m.output)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, model.config.vocab_size, (num_tokens,), generator=gen).tolist()
     try:
@@ -62,6 +74,8 @@ def run_capturing(model, modules: dict, num_tokens: int, seed: int):
     finally:
         for h in handles:
             h.remove()
+        for m in mixers.values():
+            del m.output  # the instance attribute: the class's method again
     return logits.double(), records, tokens
 
 

@@ -68,7 +68,7 @@ def _fill_then_capture(monkeypatch, seen: dict):
     """Wraps the real capture: sentinel pools before it, and what they and the captured outputs hold after."""
     capture = model_runner.ModelRunner._capture_cudagraphs
 
-    def wrapped(runner, descs, reserved_bytes):
+    def wrapped(runner, descs, pieces, reserved_bytes):
         gen = torch.Generator().manual_seed(0)
         for is_state, pool in _pools(runner):
             if is_state:
@@ -77,7 +77,7 @@ def _fill_then_capture(monkeypatch, seen: dict):
             else:
                 pool.copy_(torch.randn(pool.shape, generator=gen))
         before = [_owned(*p).clone() for p in _pools(runner)]
-        capture(runner, descs, reserved_bytes)
+        capture(runner, descs, pieces, reserved_bytes)
         seen["before"], seen["after"] = before, [_owned(*p).clone() for p in _pools(runner)]
         seen["outputs"] = {d: runner.graphs.replay(d) for d in runner.graphs.fns} if runner.graphs else {}
     monkeypatch.setattr(model_runner.ModelRunner, "_capture_cudagraphs", wrapped)
