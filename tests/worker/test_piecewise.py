@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_MODEL_DIR
@@ -23,9 +24,12 @@ def plain_k3_dir(tmp_path_factory):
                             attn_res_block_size=None)
 
 
-def _generate(model_dir, batch, params, monkeypatch=None, **kwargs):
+def _generate(model_dir, batch, params, monkeypatch=None, reference=None, **kwargs):
     llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
               max_num_batched_tokens=24, max_num_seqs=4, **kwargs)
+    if reference is not None:  # drafts right and wrong by design: verify rows of 0..K accepted drafts
+        K = llm.llm_engine.num_spec
+        llm.llm_engine.proposer = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
     runs = []
     if monkeypatch is not None:
         run = PiecewiseCUDAGraphs.run
@@ -66,6 +70,24 @@ def test_piecewise_equals_eager(graph_backends, plain_k3_dir, monkeypatch, mode)
         assert any(n <= 4 for n in runs), "decode steps run in pieces when there are no full graphs"
     else:
         assert runs and all(n > 4 for n in runs), "a decode batch of <= 4 tokens has its full graph"
+
+
+def test_piecewise_mixed_steps_with_verify_rows_equal_eager(graph_backends, plain_k3_dir, monkeypatch):
+    """Speculation under FULL_AND_PIECEWISE: steps that mix prompt chunks with verify rows run in pieces, their
+    KDA cores writing the verify rows' state checkpoints; greedy outputs stay the eager ones."""
+    K = 2
+    gen = torch.Generator().manual_seed(5)
+    batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (9, 40, 3, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _, eager, _ = _generate(plain_k3_dir, batch, params, enforce_eager=True, **graph_backends)
+    reference = {tuple(p["prompt_token_ids"]): out for p, out in zip(batch, eager)}
+    spec = {"method": "ngram", "num_speculative_tokens": K}
+    llm, graphed, runs = _generate(plain_k3_dir, batch, params, monkeypatch, reference, speculative_config=spec,
+                                   **graph_backends, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                                                         "cudagraph_capture_sizes": [12]})
+    assert graphed == eager
+    assert runs, "mixed steps were meant to run in pieces"
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
 
 
 def test_attn_res_falls_back_from_piecewise(graph_backends, model_dir):
