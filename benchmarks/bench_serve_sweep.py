@@ -10,8 +10,9 @@ Writes the checkpoint bench_offline_throughput.py writes (same --config and --se
 --output-len tokens each, with logprobs=0 so that every token comes in a chunk (bench_serve.py --every-token:
 most ids of a random model decode to no text with the built-in tokenizer). With --offline-json (a result of
 bench_offline_throughput.py from the same machine and checkpoint), the served output throughput at each
-concurrency is set against the offline figure at that batch size. Writes JSON (each level's bench_serve
-summary) and a PNG of TTFT, TPOT and throughput.
+concurrency is set against the offline figure at that batch size. `--also-without-logprobs` adds a round per
+concurrency without logprobs, as the offline benchmark runs (its throughput compares with offline; its TTFT
+waits for text). Writes JSON (each level's bench_serve summary) and a PNG of TTFT, TPOT and throughput.
 """
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="extra `vllm serve` flags, one shell-quoted string")
     ap.add_argument("--offline-json", default=None, help="bench_offline_throughput.py result to compare with")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--also-without-logprobs", action="store_true",
+                    help="at each concurrency, also a round without logprobs (as the offline benchmark runs): its "
+                         "throughput is comparable, its TTFT counts to the first chunk with text")
     ap.add_argument("--out", default="benchmarks/results/cpu/serve_sweep_cpu.json")
     args = ap.parse_args()
     meta = metadata(args.device)
@@ -99,13 +103,21 @@ def main() -> None:
             n = max(16, 4 * c)
             # One short warm-up round at this concurrency first: the first requests pay one-time costs.
             common = ["--base-url", url, "--max-concurrency", str(c), "--input-len", str(P), "--output-len", str(O),
-                      "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed), "--every-token"]
-            bench_serve.main(common + ["--num-prompts", str(c), "--out", str(tmp / f"warmup_{c}.json")])
-            res = bench_serve.main(common + ["--num-prompts", str(n), "--out", str(tmp / f"level_{c}.json")])
+                      "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed)]
+            bench_serve.main(common + ["--every-token", "--num-prompts", str(c),
+                                       "--out", str(tmp / f"warmup_{c}.json")])
+            res = bench_serve.main(common + ["--every-token", "--num-prompts", str(n),
+                                             "--out", str(tmp / f"level_{c}.json")])
             level = {"concurrency": c, "num_prompts": n, "summary": res["summary"]}
+            if args.also_without_logprobs:
+                plain = bench_serve.main(common + ["--num-prompts", str(n), "--out", str(tmp / f"plain_{c}.json")])
+                level["summary_without_logprobs"] = plain["summary"]
             if c in offline:
                 level["offline_tokens_per_s"] = offline[c]
                 level["served_over_offline"] = res["summary"]["output_token_throughput"] / offline[c]
+                if args.also_without_logprobs:
+                    level["served_without_logprobs_over_offline"] = \
+                        plain["summary"]["output_token_throughput"] / offline[c]
             results.append(level)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -125,6 +137,12 @@ def main() -> None:
         print(f"concurrency {lv['concurrency']:>3}: TTFT median {s['ttft_ms'].get('median', float('nan')):8.1f} ms, "
               f"TPOT median {s['tpot_ms'].get('median', float('nan')):7.2f} ms, "
               f"{s['output_token_throughput']:9.1f} output tok/s{ratio} ({s['failed']} failed)")
+        if "summary_without_logprobs" in lv:
+            plain = lv["summary_without_logprobs"]
+            ratio = (f", {lv['served_without_logprobs_over_offline']:.2f}x offline"
+                     if "served_without_logprobs_over_offline" in lv else "")
+            print(f"    without logprobs: {plain['output_token_throughput']:9.1f} output tok/s{ratio} "
+                  f"({plain['failed']} failed)")
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -213,7 +213,7 @@ def test_cli_flags_reach_the_engine_config():
     assert (cfg.num_speculative_tokens, cfg.speculative_config.prompt_lookup_max) == (2, 6)
     assert (cfg.compilation_config.cudagraph_mode, cfg.compilation_config.cudagraph_capture_sizes) == ("FULL", [2, 8])
     assert cfg.compilation_config.resolved_mode(torch.device("cpu")) == "NONE", "no graphs off CUDA"
-    for bad, match in [('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode"), ('{"sizes": [1]}', "keys"),
+    for bad, match in [('{"cudagraph_mode": "PIECEWISE_ONLY"}', "cudagraph_mode"), ('{"sizes": [1]}', "keys"),
                        ('{"cudagraph_capture_sizes": [0]}', "cudagraph_capture_sizes"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(device="cpu", compilation_config=bad).create_engine_config()
