@@ -11,8 +11,8 @@ The process protocol: one pipe each way, one pickled tuple per message.
 - core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, outputs,
   rejected, stats) after each loop turn that changed something, and (STOPPED, outputs, rejected, stats) last.
   `rejected` holds (request_id, exception) for requests that end with an error instead of an output. Outputs
-  travel without their prompt (text and ids), which the front end has and puts back: a long prompt would
-  otherwise be pickled again at every step of its request.
+  travel as tuples (`serial_utils.py`) without their prompt (text and ids), which the front end has and puts
+  back: a long prompt would otherwise be pickled again at every step of its request.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.serial_utils import pack_outputs
 from vllm.logger import init_logging
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -148,7 +149,7 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
                 break
         if stopping:
             outputs += core.abort_all()
-            outbox.send((STOPPED, _without_prompts(outputs), rejected, core.stats()))
+            outbox.send((STOPPED, pack_outputs(outputs), rejected, core.stats()))
             return
         if core.has_work():
             stepped, failed = core.step()
@@ -156,10 +157,5 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
             rejected += failed
             changed = True
         if changed:
-            outbox.send((OUTPUTS, _without_prompts(outputs), rejected, core.stats()))
+            outbox.send((OUTPUTS, pack_outputs(outputs), rejected, core.stats()))
 
-
-def _without_prompts(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    for out in outputs:  # each output is built for this step alone: nothing else holds it
-        out.prompt, out.prompt_token_ids = None, []
-    return outputs

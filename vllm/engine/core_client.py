@@ -23,6 +23,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, STOPPED, EngineCore, EngineStats,
                               Rejected, run_engine_core)
 from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.serial_utils import unpack_outputs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
@@ -191,8 +192,8 @@ class MPClient:
     def _on_readable(self) -> None:
         try:
             while self._from_core.poll():
-                kind, outputs, rejected, self._stats = self._from_core.recv()
-                self._deliver(outputs, rejected)
+                kind, packed, rejected, self._stats = self._from_core.recv()
+                self._deliver(unpack_outputs(packed), rejected)
                 if kind == STOPPED:
                     self._close_reader()
                     self._stopped.set_result(None)
