@@ -1,4 +1,4 @@
-"""EngineCore: the engine as the server drives it, and EngineCoreProc, its loop in a process of its own.
+"""EngineCore: the engine as the server drives it, and `run_engine_core`, its loop in a process of its own.
 
 `EngineCore` wraps an LLMEngine with what serving needs around a step: bad input fails only its request, a step
 that raises fails the requests in flight and the engine serves on, and counters for the metrics. The front end
