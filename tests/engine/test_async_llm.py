@@ -1,8 +1,13 @@
 """AsyncLLM: concurrent streams equal offline greedy outputs; cancellation frees the cache at once; bad input
-fails only its request; shutdown ends requests in flight."""
+fails only its request; shutdown ends requests in flight. In the front end's process (internals checked), and
+with the engine core in a process of its own: streams equal offline, bad input fails alone with the engine's own
+message, a cancelled stream is aborted in the core, shutdown leaves every block and slot free, a bad checkpoint
+fails start-up with its message, and a core that dies fails the requests in flight instead of hanging them."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -91,5 +96,85 @@ def test_shutdown_aborts_in_flight_requests():
         outs = await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
         engine.client.engine.kv_cache_manager.assert_all_free()
+
+    asyncio.run(main())
+
+
+# ---- the engine core in a process of its own (AsyncLLM's default) ---------------------------------------------
+def assert_all_free(engine: AsyncLLM) -> None:
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting) == (0, 0)
+    assert (s.num_free_blocks, s.num_free_slots) == (s.num_blocks, s.num_slots)
+
+
+def test_streams_equal_offline_bad_input_fails_alone_and_everything_is_freed():
+    batch = prompts([5, 30, 1, 60])
+    offline = [o.outputs[0].token_ids for o in LLM(**ARGS).generate(batch, GREEDY, use_tqdm=False)]
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=True)
+        assert engine.client.proc.is_alive() and engine.config.model_config.max_model_len == 256
+        good = [collect(engine, p, GREEDY, f"r{i}") for i, p in enumerate(batch)]
+        text = collect(engine, "def fibonacci(n):", GREEDY, "text")
+        results = await asyncio.gather(*good, text)
+        with pytest.raises(ValueError, match="exceeds --max-model-len"):
+            await collect(engine, list(range(5, 250)), SamplingParams(max_tokens=50), "bad")
+        await engine.shutdown()
+        return engine, results
+
+    engine, results = asyncio.run(main())
+    for outs, expected, prompt in zip(results, offline, batch):
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+        assert outs[-1].prompt_token_ids == prompt  # put back by the front end: the core sends outputs without
+    text_out = results[-1][-1]
+    assert text_out.prompt == "def fibonacci(n):" and text_out.prompt_token_ids == engine.tokenizer.encode(
+        "def fibonacci(n):")
+    assert_all_free(engine)
+    assert engine.stats().generation_tokens_total == sum(map(len, offline)) + len(text_out.outputs[0].token_ids)
+    assert not engine.client.proc.is_alive() and engine.client.proc.exitcode == 0
+
+
+def test_cancelled_stream_is_aborted_in_the_core_and_shutdown_aborts_the_rest():
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=True)
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
+        got = 0
+        async for _ in engine.generate(prompts([8], seed=1)[0], params, "short"):
+            got += 1
+            if got == 3:
+                break  # like a client that disconnects
+        for _ in range(200):  # the abort reaches the core within a step
+            if engine.stats().num_running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().num_running == 1 and not long_run.done()
+        await engine.shutdown()
+        outs = await long_run
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert_all_free(engine)
+
+    asyncio.run(main())
+
+
+def test_bad_checkpoint_fails_start_up_with_its_message(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path)), multiprocess=True)
+
+
+def test_a_dead_core_fails_the_requests_in_flight_and_new_ones():
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=True)
+        stream = engine.generate(prompts([8])[0], SamplingParams(max_tokens=200, ignore_eos=True), "victim")
+        await anext(stream)
+        os.kill(engine.client.proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="engine process died"):
+            async for _ in stream:
+                pass
+        assert engine.errored
+        with pytest.raises(RuntimeError, match="engine process has died"):
+            await collect(engine, prompts([4])[0], GREEDY, "after")
+        await engine.shutdown()
 
     asyncio.run(main())

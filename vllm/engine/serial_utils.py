@@ -1,8 +1,8 @@
 """RequestOutputs as plain tuples for the pipe between the engine core process and the front end.
 
 Pickling slotted dataclasses goes through Python-level reduction per object: 64 streams' outputs of one step
-(a completion each, its logprob) took 445 us to pickle and 375 us to unpickle on the development machine,
-against 181 and 184 us as tuples. The core pickles on its step loop, so that time came off every step. Outputs
+(a completion each, its logprob) take 454 us to pickle and 413 us to unpickle on the development machine,
+against 218 and 208 us as tuples (benchmarks/bench_pipe_outputs.py). The core pickles on its step loop, so that time came off every step. Outputs
 travel without their prompt (text and ids): the front end has it and puts it back (`MPClient`). The field
 order is the dataclasses' own; tests/engine/test_serial_utils.py round-trips every field, so a field added to
 them and not here fails there.

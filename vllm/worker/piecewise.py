@@ -44,6 +44,8 @@ class PiecewiseCUDAGraphs:
         self.max_size = self.sizes[-1]
         self.kinds = ["kda" if layer.is_kda else "mla" for layer in model.layers]
         self.buffers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        # Per layer, its core's (input buffers, output buffer): looked up once, not by name at every step.
+        self.layer_buffers: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
 
     def capture(self, size: int) -> None:
         """Captures every piece at `size` tokens (capture the largest first: its buffers are sized by it)."""
@@ -57,9 +59,9 @@ class PiecewiseCUDAGraphs:
         persistent buffer that the next step overwrites."""
         size = next(n for n in self.sizes if n >= num_tokens)
         self.graphs.replay(("piecewise", size, 0))
-        for i, kind in enumerate(self.kinds):
-            inputs = tuple(buf[:num_tokens] for buf in self.buffers[f"{kind}_in"])
-            self.buffers[f"{kind}_out"][:num_tokens].copy_(self.model.attend(i, inputs, attn_metadata))
+        for i, (in_bufs, out_buf) in enumerate(self.layer_buffers):
+            inputs = tuple(buf[:num_tokens] for buf in in_bufs)
+            out_buf[:num_tokens].copy_(self.model.attend(i, inputs, attn_metadata))
             self.graphs.replay(("piecewise", size, i + 1))
         return self.buffers["h"][:num_tokens]
 
@@ -70,14 +72,14 @@ class PiecewiseCUDAGraphs:
             h, x, inputs = self.model.begin(self.input_ids[:size])
         else:
             i = piece - 1
-            y, h_in, x_in = b[f"{self.kinds[i]}_out"][:size], b["h"][:size], b["x"][:size]
+            y, h_in, x_in = self.layer_buffers[i][1][:size], b["h"][:size], b["x"][:size]
             if i == len(self.kinds) - 1:
                 b["h"][:size].copy_(self.model.end(y, h_in, x_in))
                 return
             h, x, inputs = self.model.between(i, y, h_in, x_in)
         b["h"][:size].copy_(h)
         b["x"][:size].copy_(x)
-        for buf, t in zip(b[f"{self.kinds[piece]}_in"], inputs, strict=True):
+        for buf, t in zip(self.layer_buffers[piece][0], inputs, strict=True):
             buf[:size].copy_(t)
 
     def _allocate(self, size: int) -> None:
@@ -93,3 +95,4 @@ class PiecewiseCUDAGraphs:
             out_shape = (size, layer.o_proj.in_features) if kind == "kda" else (size, layer.num_heads,
                                                                                   layer.v_head_dim)
             b[f"{kind}_out"] = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
+        self.layer_buffers = [(b[f"{kind}_in"], b[f"{kind}_out"]) for kind in self.kinds]
