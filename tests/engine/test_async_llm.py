@@ -30,6 +30,19 @@ async def collect(engine: AsyncLLM, prompt, params, rid):
     return outs
 
 
+async def long_run_and_short_one_cancelled(engine: AsyncLLM) -> asyncio.Task:
+    """Starts a long request, then reads 3 outputs of a short one and stops (like a client that disconnects);
+    returns the long one's task."""
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
+    got = 0
+    async for _ in engine.generate(prompts([8], seed=1)[0], params, "short"):
+        got += 1
+        if got == 3:
+            break
+    return long_run
+
+
 def test_concurrent_streams_equal_offline_and_free_everything():
     batch = prompts([5, 30, 1, 60])
     offline = [o.outputs[0].token_ids for o in LLM(**ARGS).generate(batch, GREEDY, use_tqdm=False)]
@@ -52,13 +65,7 @@ def test_concurrent_streams_equal_offline_and_free_everything():
 def test_cancel_mid_stream_aborts_and_frees():
     async def main():
         engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
-        params = SamplingParams(max_tokens=200, ignore_eos=True)
-        long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
-        got = 0
-        async for _ in engine.generate(prompts([8], seed=1)[0], params, "short"):
-            got += 1
-            if got == 3:
-                break  # like a client that disconnects
+        long_run = await long_run_and_short_one_cancelled(engine)
         await asyncio.sleep(0.05)
         assert "short" not in engine.client.engine.output_processor.parents
         long_run.cancel()
@@ -137,13 +144,7 @@ def test_streams_equal_offline_bad_input_fails_alone_and_everything_is_freed():
 def test_cancelled_stream_is_aborted_in_the_core_and_shutdown_aborts_the_rest():
     async def main():
         engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=True)
-        params = SamplingParams(max_tokens=200, ignore_eos=True)
-        long_run = asyncio.create_task(collect(engine, prompts([20])[0], params, "long"))
-        got = 0
-        async for _ in engine.generate(prompts([8], seed=1)[0], params, "short"):
-            got += 1
-            if got == 3:
-                break  # like a client that disconnects
+        long_run = await long_run_and_short_one_cancelled(engine)
         for _ in range(200):  # the abort reaches the core within a step
             if engine.stats().num_running == 1:
                 break
