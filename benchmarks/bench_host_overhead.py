@@ -20,11 +20,16 @@ timed steps measure the host alone (the engine's own code is unchanged). `--pena
 repetition penalty (the sampler's per-request context then matters). `--full-rewrite` makes InputBatch
 rewrite every row each step, the peer of its continuing-decode path. Requests take FINAL_ONLY outputs, as
 LLM.generate does; the output processor's time is reported as "outputs", the sampler's (penalties, filters,
-the draw) as "sample".
+the draw) as "sample". `--served` makes them stream as `vllm serve` runs them in bench_serve_sweep.py (DELTA
+outputs, the sampled token's logprob) and adds what the engine core process does with a step's outputs before
+they reach its pipe (`pack_outputs`, pickling) as "serialize", timed after each step. `--freeze-gc` freezes the
+heap once the engine is built, as the engine core process does (`vllm.utils.freeze_gc_heap`); compare the
+step's mean with its median to see what garbage collections cost without it.
 """
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import tempfile
 import time
@@ -41,11 +46,13 @@ from bench_common import metadata, set_threads, stats, write_json
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.serial_utils import pack_outputs
 from vllm.model_executor.model_loader import load_config
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tools.make_tiny_model import write_tiny_model
+from vllm.utils import freeze_gc_heap
 
-PARTS = ("schedule", "prepare", "attn_metadata", "sampling_metadata", "sample", "outputs")
+PARTS = ("schedule", "prepare", "attn_metadata", "sampling_metadata", "sample", "outputs", "serialize")
 
 
 class StepTimer:
@@ -79,7 +86,8 @@ def measure(engine: LLMEngine, timer: StepTimer, n: int, context: int, args) -> 
     vocab = engine.vocab_size
     max_tokens = engine.config.scheduler_config.max_model_len - context  # outlives the staggered prefill
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            repetition_penalty=1.1 if args.penalty else 1.0, output_kind=RequestOutputKind.FINAL_ONLY)
+                            repetition_penalty=1.1 if args.penalty else 1.0, logprobs=0 if args.served else None,
+                            output_kind=RequestOutputKind.DELTA if args.served else RequestOutputKind.FINAL_ONLY)
     for i in range(n):
         engine.add_request(f"n{n}-{i}", [rng.randrange(3, vocab) for _ in range(context)], params)
     while any(r.is_prefilling or r.status.value == "waiting" for r in engine.scheduler.requests.values()):
@@ -90,8 +98,11 @@ def measure(engine: LLMEngine, timer: StepTimer, n: int, context: int, args) -> 
     for _ in range(args.iters):
         timer.reset()
         t0 = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         step = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pickle.dumps(pack_outputs(outputs))
+        timer.t["serialize"] = time.perf_counter() - t0
         sched = timer.last_sched.scheduled
         if len(sched) != n or any(s.is_prefilling or s.num_tokens != 1 for s in sched):
             raise RuntimeError(f"N={n}: expected {n} pure decode rows, got {len(sched)} (preemption or prefill)")
@@ -142,6 +153,8 @@ def main() -> None:
     ap.add_argument("--context-lens", default="16", help="comma-separated prompt (context) lengths")
     ap.add_argument("--stub-model", action="store_true", help="zeros instead of the model's forward (host only)")
     ap.add_argument("--penalty", action="store_true", help="every request uses repetition_penalty=1.1")
+    ap.add_argument("--served", action="store_true", help="DELTA outputs with logprobs, plus their serialization")
+    ap.add_argument("--freeze-gc", action="store_true", help="freeze the heap after start-up, as the core does")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--full-rewrite", action="store_true",
                     help="refuse InputBatch's continuing-decode path (the A/B peer of that path)")
@@ -175,6 +188,8 @@ def main() -> None:
                                                                         device=runner.device)
     if args.full_rewrite:
         engine.runner.input_batch._continues_decode = lambda *a: False  # instance attribute: this engine only
+    if args.freeze_gc:
+        freeze_gc_heap()
     timer = StepTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.input_batch, "prepare", "prepare")
@@ -184,7 +199,7 @@ def main() -> None:
     timer.wrap(engine.runner, "sampler", "sample")
     results = []
     print(f"{'N':>5} x {'ctx':>6} {'host prep med':>14} {'p90':>9} {'schedule':>9} {'prepare':>9} {'attn md':>8} "
-          f"{'sampl md':>9} {'sample':>8} {'outputs':>8} {'step med':>10}   (us)")
+          f"{'sampl md':>9} {'sample':>8} {'outputs':>8} {'serialize':>9} {'step med':>10} {'step mean':>10}   (us)")
     for context in contexts:
         for n in counts:
             r = measure(engine, timer, n, context, args)
@@ -193,7 +208,8 @@ def main() -> None:
             print(f"{n:>5} x {context:>6} {u['host_prep']['median']:>14.1f} {u['host_prep']['p90']:>9.1f} "
                   f"{u['schedule']['median']:>9.1f} {u['prepare']['median']:>9.1f} "
                   f"{u['attn_metadata']['median']:>8.1f} {u['sampling_metadata']['median']:>9.1f} "
-                  f"{u['sample']['median']:>8.1f} {u['outputs']['median']:>8.1f} {u['step']['median']:>10.1f}",
+                  f"{u['sample']['median']:>8.1f} {u['outputs']['median']:>8.1f} {u['serialize']['median']:>9.1f} "
+                  f"{u['step']['median']:>10.1f} {u['step']['mean']:>10.1f}",
                   flush=True)
     config = {**vars(args), "engine_args": vars(engine_args), "dtype_resolved": str(engine.config.model_config.dtype)}
     path = write_json(args.out, {**meta, "benchmark": "host_overhead", "config": config, "results": results})

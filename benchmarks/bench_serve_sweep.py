@@ -12,12 +12,16 @@ most ids of a random model decode to no text with the built-in tokenizer). With 
 bench_offline_throughput.py from the same machine and checkpoint), the served output throughput at each
 concurrency is set against the offline figure at that batch size. `--also-without-logprobs` adds a round per
 concurrency without logprobs, as the offline benchmark runs (its throughput compares with offline; its TTFT
-waits for text). Writes JSON (each level's bench_serve summary) and a PNG of TTFT, TPOT and throughput.
+waits for text). Each level also records the CPU time that the server's front-end process, its engine core
+process and this process (the benchmark client) spent during it, over the level's wall time: a process near
+1.0 is the bottleneck (each is one Python thread doing most of the work). Writes JSON (each level's
+bench_serve summary) and a PNG of TTFT, TPOT and throughput.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -63,6 +67,35 @@ def plot(levels: list[dict], meta: dict, title: str, png: Path) -> None:
     plt.close(fig)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            continue
+    return children
+
+
+def cpu_utilization(run, server_pid: int):
+    """run()'s result and, per process, CPU seconds over wall seconds while it ran."""
+    procs = {"front_end": [server_pid], "engine_core": child_pids(server_pid)}
+    before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in procs.items()}
+    client0, t0 = time.process_time(), time.monotonic()
+    result = run()
+    wall = time.monotonic() - t0
+    used = {k: (sum(cpu_seconds(p) for p in pids) - before[k]) / wall for k, pids in procs.items()}
+    used["client"] = (time.process_time() - client0) / wall
+    return result, {k: round(v, 3) for k, v in used.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
@@ -106,9 +139,10 @@ def main() -> None:
                       "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed)]
             bench_serve.main(common + ["--every-token", "--num-prompts", str(c),
                                        "--out", str(tmp / f"warmup_{c}.json")])
-            res = bench_serve.main(common + ["--every-token", "--num-prompts", str(n),
-                                             "--out", str(tmp / f"level_{c}.json")])
-            level = {"concurrency": c, "num_prompts": n, "summary": res["summary"]}
+            res, cpu = cpu_utilization(lambda: bench_serve.main(common + [
+                "--every-token", "--num-prompts", str(n), "--out", str(tmp / f"level_{c}.json")]), proc.pid)
+            print(f"CPU time over wall time: {cpu}", flush=True)
+            level = {"concurrency": c, "num_prompts": n, "summary": res["summary"], "cpu_utilization": cpu}
             if args.also_without_logprobs:
                 plain = bench_serve.main(common + ["--num-prompts", str(n), "--out", str(tmp / f"plain_{c}.json")])
                 level["summary_without_logprobs"] = plain["summary"]

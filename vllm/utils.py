@@ -1,6 +1,8 @@
 """Small helpers shared across layers (no imports from the rest of the package)."""
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -22,3 +24,14 @@ def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
         return t
     return t.to("cpu", non_blocking=True)
+
+
+def freeze_gc_heap() -> None:
+    """Moves every object alive now out of the cyclic garbage collector's reach (as upstream's engine core and
+    API server do once started). A process that holds a model, its tokenizer and the server for its whole life
+    has hundreds of thousands of objects, and each oldest-generation collection walked all of them: with 64
+    streams, steps whose output building triggered one took 1.2 ms longer on average (mean against median step
+    time, development CPU). Only for processes that own what they hold until exit: a frozen object that later
+    becomes cyclic garbage is never collected."""
+    gc.collect()
+    gc.freeze()

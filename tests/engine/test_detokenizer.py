@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer against full decodes of the shipped byte-level BPE tokenizer."""
+"""IncrementalDetokenizer against full decodes of the shipped byte-level BPE tokenizer, on both of its paths: the
+byte table (what that tokenizer gets) and the decode window (what any other tokenizer gets)."""
 from __future__ import annotations
 
 import random
@@ -6,9 +7,10 @@ import random
 import pytest
 
 from vllm.assets import DEFAULT_MODEL_DIR
+import vllm.engine.detokenizer as detokenizer_module
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.transformers_utils.tokenizer import decoder_for, get_tokenizer
+from vllm.transformers_utils.tokenizer import byte_level_pieces, decoder_for, get_tokenizer
 
 MULTIBYTE = "café ☕ 日本語 — naïve 😀 done"
 SPECIAL_IDS = [0, 1, 2, 3, 4]
@@ -17,6 +19,13 @@ SPECIAL_IDS = [0, 1, 2, 3, 4]
 @pytest.fixture(scope="module")
 def tok():
     return get_tokenizer(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(autouse=True, params=["byte_table", "window"])
+def path(request, monkeypatch):
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer_module, "byte_level_pieces", lambda tokenizer, skip: None)
+    return request.param
 
 
 def enc(tok, text: str) -> list[int]:
@@ -47,7 +56,7 @@ def check_against_full_decode(tok, prompt, ids, params, rng=None):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_random_ids_match_full_decode(tok, skip, chunked):
     rng = random.Random(1234 + skip + 2 * chunked)
-    vocab = len(tok)
+    vocab = len(tok) + 40  # ids past the tokenizer's vocabulary decode to nothing (a model's vocab can be larger)
     for _ in range(40):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
@@ -256,3 +265,37 @@ def test_fast_decoder_keeps_the_slow_path_when_spaces_are_cleaned_up(tok):
         def decode(self, ids, skip_special_tokens):
             return "cleaned"
     assert decoder_for(CleansUp())([5, 6], True) == "cleaned"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_pieces_are_each_ids_decoded_bytes(tok, skip):
+    pieces = byte_level_pieces(tok, skip)
+    assert pieces is not None and len(pieces) == len(tok)
+    assert byte_level_pieces(tok, skip) is pieces, "built once per tokenizer"
+    assert pieces[0] == (b"" if skip else b"<pad>")
+    e_acute = enc(tok, "é")
+    assert b"".join(pieces[i] for i in e_acute) == "é".encode()
+
+
+def test_byte_level_pieces_only_for_byte_level_decoders(tok):
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=wordpiece, clean_up_tokenization_spaces=False)
+    assert byte_level_pieces(fast, True) is None
+
+    class CleansUp:
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = tok.backend_tokenizer
+    assert byte_level_pieces(CleansUp(), True) is None
+
+
+def test_text_stays_right_over_long_runs_of_silent_ids(tok):
+    """The case that made the window grow: thousands of ids that decode to nothing, then text."""
+    det = IncrementalDetokenizer(tok, [], SamplingParams())
+    for _ in range(3000):
+        assert det.update([len(tok) + 7]) is None
+        det.update([0])  # <pad>, skipped
+    det.update(enc(tok, "ok é"))
+    assert det.output_text == "ok é"

@@ -29,6 +29,7 @@ from vllm.logger import init_logging
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
+from vllm.utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log
             logger.exception("the engine failed to start")
         outbox.send((FAILED, portable(e)))
         return
+    freeze_gc_heap()  # the engine lives as long as this process
     try:
         outbox.send((READY, core.engine.config, core.stats()))
         _serve(core, inbox, outbox)

@@ -1,9 +1,11 @@
 """Tokenizer loading through transformers' AutoTokenizer, from the model directory or another one."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -49,3 +51,58 @@ def decoder_for(tokenizer) -> Callable[[list[int], bool], str]:
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the printable bytes stand for themselves, the other 68 bytes take the
+    code points from 256 up, in byte order; a token's string is its bytes spelt in this alphabet."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    codes = dict(zip(printable, printable))
+    extra = 256
+    for b in range(256):
+        if b not in codes:
+            codes[b], extra = extra, extra + 1
+    return {chr(c): b for b, c in codes.items()}
+
+
+_BYTE_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_level_pieces(tokenizer, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+    """Each token id's bytes, when the tokenizer decodes any ids to the UTF-8 decode (errors replaced) of their
+    pieces joined: a fast byte-level BPE tokenizer without clean-up of spaces, like the built-in model's and
+    tiktoken-style ones converted to tokenizers. None for any other tokenizer.
+
+    Then incremental detokenization is a table lookup per token instead of a decode call over a window of ids
+    (that window grows for as long as the ids decode to no text: past the tokenizer's vocabulary, or special
+    tokens being skipped). Every piece is checked against the tokenizer's own decode of its id; one mismatch
+    (an added token the decoder spells otherwise) and the tokenizer keeps the generic path. Built once per
+    tokenizer and flag: a decode per vocabulary id, ~1 us each."""
+    per_tokenizer = _BYTE_PIECES.setdefault(tokenizer, {})
+    if skip_special_tokens not in per_tokenizer:
+        per_tokenizer[skip_special_tokens] = _build_byte_level_pieces(tokenizer, skip_special_tokens)
+    return per_tokenizer[skip_special_tokens]
+
+
+def _build_byte_level_pieces(tokenizer, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel)):
+        return None
+    byte_of = _byte_of_char()
+    added = backend.get_added_tokens_decoder()
+    pieces = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = added.get(i)
+        if token is not None:
+            piece = b"" if skip_special_tokens and token.special else token.content.encode()
+        else:
+            spelt = backend.id_to_token(i)
+            try:
+                piece = b"" if spelt is None else bytes(byte_of[c] for c in spelt)
+            except KeyError:  # outside the alphabet: the decoder takes the string's own UTF-8
+                piece = spelt.encode()
+        if piece.decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=skip_special_tokens):
+            return None
+        pieces.append(piece)
+    return tuple(pieces)

@@ -31,6 +31,7 @@ from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, C
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
+from vllm.utils import freeze_gc_heap
 from vllm.version import __version__
 
 logger = logging.getLogger("vllm.entrypoints.openai")
@@ -222,6 +223,7 @@ class Server(uvicorn.Server):
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
+            freeze_gc_heap()  # the app, the tokenizer and the engine client live as long as the server
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             print(f"vllm API server ready: serving {', '.join(self.names)} on http://{host}:{port}", flush=True)
 
