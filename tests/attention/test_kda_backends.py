@@ -13,6 +13,7 @@ import torch
 from kda_harness import Row, compare_to_reference, random_inputs, random_layer, random_pools
 from vllm.attention.backend import LayerShapes
 from vllm.attention.kda.metadata import KDAAttention
+from vllm.attention.kda.triton_fla import TritonFLAKDABackend
 from vllm.attention.kda.torch_ref import TorchKDABackend
 from vllm.attention.selector import backend_reason, load_backend
 
@@ -59,13 +60,20 @@ def test_decode_backend_matches_reference(name, rows, act_dtype, state_dtype, lo
                          BOUND[act_dtype, state_dtype])
 
 
+# The triton backend's two prefill paths: fla's recurrent kernel for short chunks (these rows' lengths, by
+# default) and chunk_kda, forced here at every length.
+PREFILL_PATHS = [("triton", "chunked"), *[(n, "default") for n in PREFILL]]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", PREFILL)
+@pytest.mark.parametrize("name,path", PREFILL_PATHS)
 @pytest.mark.parametrize("rows", [PREFILL_ROWS, MIXED_ROWS], ids=["prefill", "mixed"])
 @pytest.mark.parametrize("act_dtype,state_dtype", list(BOUND))
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
-def test_prefill_backend_matches_reference(name, rows, act_dtype, state_dtype, lower_bound):
+def test_prefill_backend_matches_reference(name, path, rows, act_dtype, state_dtype, lower_bound, monkeypatch):
     H = 4
+    if path == "chunked":
+        monkeypatch.setattr(TritonFLAKDABackend, "recurrent_prefill_max_len", 0)
     prefill = _backend("--kda-prefill-backend", name, act_dtype, H, lower_bound is not None, state_dtype)
     layer, pools, gen = _case(H, act_dtype, state_dtype, lower_bound, seed=2)
     inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act_dtype, "cuda", gen)
@@ -153,3 +161,14 @@ def test_native_decode_through_the_split_interface_on_cpu(state_dtype):
         inputs = random_inputs(layer, sum(r.num_tokens for r in rows), torch.float32, "cpu", gen)
         compare_to_reference(KDAAttention(TorchKDABackend, NativeKDABackend), layer, inputs, pools, rows, "cpu",
                              BOUND[torch.float32, state_dtype])
+
+
+@pytest.mark.parametrize("max_query_len,chunked", [(1, False), (256, False), (257, True), (16384, True)])
+def test_triton_prefill_takes_the_recurrent_kernel_for_short_chunks(max_query_len, chunked, monkeypatch):
+    """The choice only (CPU): chunks up to recurrent_prefill_max_len tokens skip chunk_kda's host overhead."""
+    assert TritonFLAKDABackend.recurrent_prefill_max_len == 256
+    taken = []
+    monkeypatch.setattr(TritonFLAKDABackend, "_varlen", staticmethod(lambda *a, chunked=False: taken.append(chunked)))
+    rows = type("Rows", (), {"max_query_len": max_query_len})()
+    TritonFLAKDABackend.forward_prefill(None, None, None, None, None, None, None, rows)
+    assert taken == [chunked]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, grouped_topk, moe_align_block_size
+from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, pipelined_smem_bytes
 from vllm.model_executor.models.kimi_k3 import moe as moe_module
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.moe import KimiMoE, KimiRouter
@@ -192,3 +193,22 @@ def test_grouped_topk_refuses_impossible_choices():
         grouped_topk(torch.zeros(2, 8), torch.zeros(8), 5, num_groups=4, topk_group=2)
     with pytest.raises(ValueError, match="float32"):
         grouped_topk(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 2)
+
+
+@pytest.mark.parametrize("elem_size", [2, 4])
+@pytest.mark.parametrize("smem", [232_448, 166_912, 101_376], ids=["H100/H200", "A100", "sm86"])
+@pytest.mark.parametrize("num_pairs", [1, 100, 400, 8192])
+def test_picked_tiles_fit_the_devices_shared_memory(elem_size, smem, num_pairs):
+    up, down = pick_config(num_pairs, 8, 704, 2048, 132, elem_size, smem)
+    assert pipelined_smem_bytes(up, 2, elem_size) <= smem
+    assert pipelined_smem_bytes(down, 1, elem_size) <= smem
+    assert min(up.num_stages, down.num_stages) >= 2
+
+
+def test_tiles_that_fit_are_kept_as_tuned():
+    """The H200-tuned 2-byte tiles fit there as they are; the float32 prefill ones lose a stage."""
+    bf16 = pick_config(8192, 8, 704, 2048, 132, 2, 232_448)
+    assert [c.num_stages for c in bf16] == [4, 4] and bf16[0].block_k == 64
+    fp32 = pick_config(8192, 8, 704, 2048, 132, 4, 232_448)
+    assert pipelined_smem_bytes(GemmConfig(128, 128, 64, 8, 4), 2, 4) == 294_912 > 232_448
+    assert [c.num_stages for c in fp32] == [3, 3] and fp32[0].block_m == bf16[0].block_m

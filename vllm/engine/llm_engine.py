@@ -225,7 +225,7 @@ class LLMEngine:
                          message, exc_info=error)
         else:
             logger.warning("a step of %d requests failed (%s); recomputing them one at a time to find the cause",
-                           len(reqs), message)
+                           len(reqs), message, exc_info=error)
         for req in reversed(reqs):  # requeue keeps the step's order at the front of the queue
             req.num_failed_steps += 1
             if req in culprits:

@@ -2,7 +2,12 @@
 
 Prefill: `chunk_kda` over all prompt chunks as one varlen sequence batch (cu_seqlens), initial states
 gathered from the pool (zeros for fresh prompts; fla takes fp32 initial states only) and final states
-scattered back in the pool's dtype. Decode: `fused_recurrent_kda_fwd` reads and writes the pool in place by
+scattered back in the pool's dtype. Steps whose prompt chunks are all short take fla's recurrent kernel
+instead (same inputs, same math, token by token in one launch): chunk_kda is ~10 launches plus host-side
+chunk bookkeeping, ~1.5-3 ms of host time per layer, which made a decode step that also carried one short
+prompt chunk cost 20-33 ms instead of 3 (1.3B config, H200); the recurrent kernel's time grows with the
+chunk length, so long chunks keep chunk_kda (`recurrent_prefill_max_len`, from
+benchmarks/kernels/bench_kda_prefill.py --prompts). Decode: `fused_recurrent_kda_fwd` reads and writes the pool in place by
 state index. Both compute the gate, l2norm and beta sigmoid in-kernel; the conv is ours (conv.py), since
 fla keeps conv states in another layout, and the gated RMSNorm is our one-launch kernel (norm.py).
 
@@ -24,6 +29,8 @@ class TritonFLAKDABackend(KDABackend):
     name = "triton"
     runs_prefill = runs_decode = True
     decode_cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Prompt chunks up to this many tokens run through the recurrent kernel (module docstring).
+    recurrent_prefill_max_len = 256
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
@@ -57,7 +64,7 @@ class TritonFLAKDABackend(KDABackend):
                         raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
                         ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
         return cls._varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows,
-                           chunked=True)
+                           chunked=rows.max_query_len > cls.recurrent_prefill_max_len)
 
     @staticmethod
     def _varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, chunked=False):

@@ -10,6 +10,7 @@ experts' weights every step and the per-expert loop synced per layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ except ImportError as e:  # fused_moe_unsupported() reports it; CPU installs rou
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN_CHUNK = 1024
 _DEFAULT_NUM_SMS = 132  # H100/H200, for tiles picked where no GPU is visible (the interpreter)
+_DEFAULT_SMEM_BYTES = 232_448  # H100/H200's shared memory per block (opt-in), likewise
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +58,12 @@ def fused_moe_unsupported(x: torch.Tensor) -> str | None:
     return None
 
 
-def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_sms: int
-                ) -> tuple[GemmConfig, GemmConfig]:
+def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_sms: int, elem_size: int = 2,
+                smem_bytes: int = _DEFAULT_SMEM_BYTES) -> tuple[GemmConfig, GemmConfig]:
     """Tiles for the gate/up GEMM (N = inter) and the down GEMM (N = hidden), with one BLOCK_M: both read the
-    same sorted layout. Chosen by the sweep of benchmarks/kernels/bench_fused_moe.py on the H200.
+    same sorted layout. Chosen by the sweep of benchmarks/kernels/bench_fused_moe.py on the H200 for 2-byte
+    activations, then fitted to the device's shared memory (`fit_shared_memory`): float32 tiles are twice the
+    bytes, and the prefill tiles in float32 need 288 KiB where the H200 has 227.
 
     Decode-sized routings (a few pairs per expert) are bandwidth-bound: BLOCK_M 16 wastes few padded rows, and
     BLOCK_N narrows (down to 32 / 64) until the chosen experts' weights spread over about two programs per SM:
@@ -73,11 +77,32 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_s
             while block_n > narrowest and active_blocks * _cdiv(n, block_n) < 2 * num_sms:
                 block_n //= 2
             return block_n
-        return (GemmConfig(16, narrow(inter, 64, 32), 128, 4, 4),
-                GemmConfig(16, narrow(hidden, 128, 64), 128, 4, 4))
-    if num_pairs <= 64 * num_experts:
-        return GemmConfig(32, 64, 64, 4, 4), GemmConfig(32, 128, 64, 4, 4)
-    return GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4)
+        up, down = GemmConfig(16, narrow(inter, 64, 32), 128, 4, 4), GemmConfig(16, narrow(hidden, 128, 64), 128, 4, 4)
+    elif num_pairs <= 64 * num_experts:
+        up, down = GemmConfig(32, 64, 64, 4, 4), GemmConfig(32, 128, 64, 4, 4)
+    else:
+        up, down = GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4)
+    return (fit_shared_memory(up, 2, elem_size, smem_bytes), fit_shared_memory(down, 1, elem_size, smem_bytes))
+
+
+def pipelined_smem_bytes(cfg: GemmConfig, b_tiles: int, elem_size: int) -> int:
+    """Shared memory of a software-pipelined GEMM loop: num_stages - 1 buffers in flight, each one A tile
+    [BLOCK_M, BLOCK_K] and `b_tiles` B tiles [BLOCK_K, BLOCK_N] (the gate/up kernel loads a gate and an up
+    tile): for float32 (128, 128, 64) gate/up tiles at 4 stages, 294,912 bytes, past the H200's 232,448."""
+    return (cfg.num_stages - 1) * (cfg.block_m * cfg.block_k + b_tiles * cfg.block_k * cfg.block_n) * elem_size
+
+
+def fit_shared_memory(cfg: GemmConfig, b_tiles: int, elem_size: int, smem_bytes: int) -> GemmConfig:
+    """`cfg` with fewer pipeline stages (down to 2), then narrower BLOCK_K (down to 16), until its buffers fit
+    in `smem_bytes`; a config that fits already is returned as it is."""
+    while pipelined_smem_bytes(cfg, b_tiles, elem_size) > smem_bytes:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 16:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,6 +118,13 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache
+def smem_per_block(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMEM_BYTES
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
@@ -155,7 +187,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.flatten().float().contiguous()
-    up_cfg, down_cfg = pick_config(num_pairs, E, inter, D, num_sms(x.device))
+    up_cfg, down_cfg = pick_config(num_pairs, E, inter, D, num_sms(x.device), x.element_size(),
+                                   smem_per_block(x.device))
     sorted_pairs, block_expert, num_padded = moe_align_block_size(topk_ids.to(torch.int32), up_cfg.block_m, E)
     max_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
