@@ -30,6 +30,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.utils import freeze_gc_heap
+from vllm.worker.compile_watch import COMPILE_WATCH
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log
         outbox.send((FAILED, portable(e)))
         return
     freeze_gc_heap()  # the engine lives as long as this process
+    COMPILE_WATCH.install()  # from here on a Triton compile stalls the requests in flight: say so
     try:
         outbox.send((READY, core.engine.config, core.stats()))
         _serve(core, inbox, outbox)

@@ -27,6 +27,7 @@ from vllm.engine.serial_utils import unpack_outputs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.worker.compile_watch import COMPILE_WATCH
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class InprocClient:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.core = EngineCore(engine)
+        COMPILE_WATCH.install()
         self.config, self.tokenizer = engine.config, engine.tokenizer
         self.dead = False  # a failed step fails its requests, never the engine
         self._sink: OutputSink | None = None
