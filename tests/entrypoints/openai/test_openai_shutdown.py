@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -128,6 +129,51 @@ def test_sigint_while_loading_is_one_line(tmp_path):
     assert proc.wait(30) == 130
     text = Path(err.name).read_text()
     assert "Traceback" not in text and "interrupted" in text, text[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_ctrl_c_while_the_engine_core_loads_leaves_no_process(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group, the engine core process included, while it loads
+    the model: the server exits with 130 and nothing of the group is left running."""
+    out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0"],
+                            stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _children(proc.pid) and time.monotonic() < deadline:  # the core process is spawned
+            time.sleep(0.02)
+        assert _children(proc.pid), "the engine core process never started"
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 130, Path(err.name).read_text()[-3000:]
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _group_alive(proc.pid), "a process of the server's group outlived it"
+        assert "vllm API server ready" not in Path(out.name).read_text(), "the signal came after loading"
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out.close()
+        err.close()
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
