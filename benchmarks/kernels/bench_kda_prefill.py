@@ -58,12 +58,13 @@ def forced_path(recurrent: bool, layer, rows, inputs, conv, ssm):
     from vllm.attention.kda.triton_fla import TritonFLAKDABackend
 
     def run():
-        limit = TritonFLAKDABackend.recurrent_prefill_max_len
+        limits = TritonFLAKDABackend.recurrent_prefill_max_len, TritonFLAKDABackend.recurrent_prefill_max_tokens
         TritonFLAKDABackend.recurrent_prefill_max_len = rows.max_query_len if recurrent else 0
+        TritonFLAKDABackend.recurrent_prefill_max_tokens = rows.num_tokens
         try:
             return TritonFLAKDABackend.forward_prefill(layer, *inputs, conv, ssm, rows)
         finally:
-            TritonFLAKDABackend.recurrent_prefill_max_len = limit
+            TritonFLAKDABackend.recurrent_prefill_max_len, TritonFLAKDABackend.recurrent_prefill_max_tokens = limits
     return run
 
 

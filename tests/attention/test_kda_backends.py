@@ -163,12 +163,15 @@ def test_native_decode_through_the_split_interface_on_cpu(state_dtype):
                              BOUND[torch.float32, state_dtype])
 
 
-@pytest.mark.parametrize("max_query_len,chunked", [(1, False), (256, False), (257, True), (16384, True)])
-def test_triton_prefill_takes_the_recurrent_kernel_for_short_chunks(max_query_len, chunked, monkeypatch):
-    """The choice only (CPU): chunks up to recurrent_prefill_max_len tokens skip chunk_kda's host overhead."""
-    assert TritonFLAKDABackend.recurrent_prefill_max_len == 256
+@pytest.mark.parametrize("max_query_len,num_tokens,chunked", [(1, 1, False), (256, 8192, False), (257, 257, True),
+                                                               (16384, 16384, True), (64, 8256, True)])
+def test_triton_prefill_takes_the_recurrent_kernel_for_short_chunks(max_query_len, num_tokens, chunked, monkeypatch):
+    """The choice only (CPU): chunks up to recurrent_prefill_max_len tokens, in steps of up to
+    recurrent_prefill_max_tokens, skip chunk_kda's host overhead."""
+    assert (TritonFLAKDABackend.recurrent_prefill_max_len, TritonFLAKDABackend.recurrent_prefill_max_tokens) == \
+        (256, 8192)
     taken = []
     monkeypatch.setattr(TritonFLAKDABackend, "_varlen", staticmethod(lambda *a, chunked=False: taken.append(chunked)))
-    rows = type("Rows", (), {"max_query_len": max_query_len})()
+    rows = type("Rows", (), {"max_query_len": max_query_len, "num_tokens": num_tokens})()
     TritonFLAKDABackend.forward_prefill(None, None, None, None, None, None, None, rows)
     assert taken == [chunked]

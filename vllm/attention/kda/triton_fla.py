@@ -8,7 +8,9 @@ chunk bookkeeping, ~1.5-3 ms of host time per layer, which made a decode step th
 prompt chunk cost 20-33 ms instead of 3 (1.3B config, H200); the recurrent kernel's time grows with the
 chunk length, so long chunks keep chunk_kda. `recurrent_prefill_max_len` is where the two cross for a full
 batch (benchmarks/kernels/bench_kda_prefill.py --prompts 1,32, 16 heads: 32 prompts x 256 tokens 2.80 against
-2.82 ms, one prompt of 256 0.44 against 1.73 ms). Decode: `fused_recurrent_kda_fwd` reads and writes the pool
+2.82 ms, one prompt of 256 0.44 against 1.73 ms). Once the GPU is full the recurrent kernel costs ~0.34 us
+per token (32 x 512 tokens: 5.46 against 2.14 ms), so a step of more than `recurrent_prefill_max_tokens`
+prompt tokens keeps chunk_kda whatever its chunks' lengths. Decode: `fused_recurrent_kda_fwd` reads and writes the pool
 in place by state index. Both compute the gate, l2norm and beta sigmoid in-kernel; the conv is ours (conv.py), since
 fla keeps conv states in another layout, and the gated RMSNorm is our one-launch kernel (norm.py).
 
@@ -30,8 +32,10 @@ class TritonFLAKDABackend(KDABackend):
     name = "triton"
     runs_prefill = runs_decode = True
     decode_cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    # Prompt chunks up to this many tokens run through the recurrent kernel (module docstring).
+    # Prompt chunks up to this many tokens, in steps of up to this many prompt tokens, run through the recurrent
+    # kernel (module docstring).
     recurrent_prefill_max_len = 256
+    recurrent_prefill_max_tokens = 8192
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
@@ -65,7 +69,8 @@ class TritonFLAKDABackend(KDABackend):
                         raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
                         ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
         return cls._varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows,
-                           chunked=rows.max_query_len > cls.recurrent_prefill_max_len)
+                           chunked=rows.max_query_len > cls.recurrent_prefill_max_len
+                           or rows.num_tokens > cls.recurrent_prefill_max_tokens)
 
     @staticmethod
     def _varlen(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, chunked=False):
