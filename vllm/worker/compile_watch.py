@@ -33,9 +33,9 @@ class CompileWatch:
         """Starts watching; a no-op without Triton or when already installed."""
         try:
             from triton import knobs
-        except ImportError:  # a CPU install without triton: nothing compiles
+        except ImportError:  # a CPU install without triton (or one older than its knobs): nothing to watch
             return
-        if self._knobs is not None:
+        if self._knobs is not None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
             return
         self._knobs = knobs.runtime
         self._previous = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
