@@ -14,7 +14,7 @@ from vllm.core.request import Request, RequestStatus
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.transformers_utils.tokenizer import decoder_for
+from vllm.transformers_utils.tokenizer import byte_level_pieces, decoder_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.decode_ids = decoder_for(tokenizer)
+        byte_level_pieces(tokenizer, True)  # the detokenizers' table for the default skip_special_tokens, built now
         # A token's text in a logprob entry depends on its id alone: decoded once, at most one entry per vocab id
         # (a decode call of the built-in tokenizer costs ~1 us, a dict lookup 0.06; a step of 64 requests with
         # top-5 logprobs asks for 384 texts).

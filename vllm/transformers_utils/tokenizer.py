@@ -77,8 +77,11 @@ def byte_level_pieces(tokenizer, skip_special_tokens: bool) -> tuple[bytes, ...]
     (that window grows for as long as the ids decode to no text: past the tokenizer's vocabulary, or special
     tokens being skipped). Every piece is checked against the tokenizer's own decode of its id; one mismatch
     (an added token the decoder spells otherwise) and the tokenizer keeps the generic path. Built once per
-    tokenizer and flag: a decode per vocabulary id, ~1 us each."""
-    per_tokenizer = _BYTE_PIECES.setdefault(tokenizer, {})
+    tokenizer and flag; the output processor builds the default flag's at start-up, off the first request."""
+    try:
+        per_tokenizer = _BYTE_PIECES.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer object that cannot be weakly referenced or hashed: not cached
+        return _build_byte_level_pieces(tokenizer, skip_special_tokens)
     if skip_special_tokens not in per_tokenizer:
         per_tokenizer[skip_special_tokens] = _build_byte_level_pieces(tokenizer, skip_special_tokens)
     return per_tokenizer[skip_special_tokens]
@@ -91,8 +94,9 @@ def _build_byte_level_pieces(tokenizer, skip_special_tokens: bool) -> tuple[byte
         return None
     byte_of = _byte_of_char()
     added = backend.get_added_tokens_decoder()
+    size = backend.get_vocab_size(with_added_tokens=True)
     pieces = []
-    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+    for i in range(size):
         token = added.get(i)
         if token is not None:
             piece = b"" if skip_special_tokens and token.special else token.content.encode()
@@ -102,7 +106,9 @@ def _build_byte_level_pieces(tokenizer, skip_special_tokens: bool) -> tuple[byte
                 piece = b"" if spelt is None else bytes(byte_of[c] for c in spelt)
             except KeyError:  # outside the alphabet: the decoder takes the string's own UTF-8
                 piece = spelt.encode()
-        if piece.decode("utf-8", "replace") != backend.decode([i], skip_special_tokens=skip_special_tokens):
-            return None
         pieces.append(piece)
+    # One batched decode (in Rust) checks every piece against the tokenizer's own text for its id.
+    decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=skip_special_tokens)
+    if any(p.decode("utf-8", "replace") != text for p, text in zip(pieces, decoded)):
+        return None
     return tuple(pieces)
