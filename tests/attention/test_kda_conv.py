@@ -14,16 +14,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 @pytest.mark.parametrize("num_splits,tile", [(1, {}), (3, {}), (3, dict(block_t=4, block_c=16, num_warps=2))],
                          ids=["one_split", "qkv_splits", "small_tiles"])
 @pytest.mark.parametrize("history_major", [False, True], ids=["channels_major", "history_major"])
-def test_ragged_conv_matches_reference(device, dtype, num_splits, tile, history_major):
+@pytest.mark.parametrize("rows", ["ragged", "decode"])
+def test_ragged_conv_matches_reference(device, dtype, num_splits, tile, history_major, rows):
     pytest.importorskip("triton")
     from vllm.attention.kda.conv import causal_conv1d_silu
     gen = torch.Generator().manual_seed(0)
     C, W, slots = 48, 4, 9
-    # A fresh prompt, a continued chunk, decode rows of 1 and 2 tokens (shorter than W-1: history shifts),
-    # a zero-length padding row and a row whose slot is -1.
-    lens = [7, 5, 1, 2, 0, 3]
-    slot_ids = [4, 0, 7, 2, 5, -1]
-    has_init = [False, True, True, True, True, True]
+    if rows == "ragged":
+        # A fresh prompt, a continued chunk, decode rows of 1 and 2 tokens (shorter than W-1: history shifts),
+        # a zero-length padding row and a row whose slot is -1.
+        lens = [7, 5, 1, 2, 0, 3]
+        slot_ids = [4, 0, 7, 2, 5, -1]
+        has_init = [False, True, True, True, True, True]
+    else:  # one token per row: the one-row tile
+        lens, slot_ids, has_init = [1, 1, 1], [3, 8, 1], [True, True, False]
     T = sum(lens)
     x = torch.randn(T, C, generator=gen).to(dtype)
     weight = torch.randn(C, W, generator=gen)

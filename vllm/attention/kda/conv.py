@@ -93,7 +93,10 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
     if N == 0 or T == 0:
         return y
     init = has_initial_state.to(torch.int8)
-    block_t = min(block_t, triton.next_power_of_2(max(max_query_len, 1)))
+    # Two tile heights, not one per power of two of the chunk length: each BLOCK_T is a kernel of its own, and
+    # serving meets new chunk lengths all the time; a variant first met there compiled mid-step (a stall of
+    # every request in flight). Rows shorter than the tile are masked.
+    block_t = 1 if max_query_len <= 1 else block_t
     grid = (N, triton.cdiv(max(max_query_len, 1), block_t), num_splits * triton.cdiv(C // num_splits, block_c))
     _conv_kernel[grid](x, weight, conv_state, y, query_start_loc, state_indices, init, C // num_splits, T,
                        x.stride(0), *conv_state.stride(), W=W, BLOCK_T=block_t, BLOCK_C=block_c,
