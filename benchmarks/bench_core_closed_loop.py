@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import metadata, stats, sync, write_json
-from bench_offline_throughput import build_checkpoint
+from bench_offline_throughput import add_checkpoint_args, build_checkpoint
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
@@ -104,10 +104,7 @@ def run(engine: LLMEngine, args, vocab: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--seed", type=int, default=0)
+    add_checkpoint_args(ap)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)

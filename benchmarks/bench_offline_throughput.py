@@ -61,6 +61,14 @@ def hf_classes(device: str):
     return KimiLinearConfig, KimiLinearForCausalLM
 
 
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The flags build_checkpoint reads (every benchmark built on its checkpoint takes them alike)."""
+    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def build_checkpoint(args, out_dir: Path):
     """A random transformers model, saved where our engine can load it; returns the (kept) HF model."""
     config_cls, model_cls = hf_classes(args.device)
@@ -129,16 +137,13 @@ LABELS = {"ours": "ours: LLM.generate (defaults)", "ours_sync": "ours: --no-asyn
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_checkpoint_args(ap)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--engines", default="ours,hf", help="comma list of ours, ours_sync, ours_eager, hf")
     ap.add_argument("--ttft-lens", default="", help="prompt lengths for time to first token (empty: none)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per batch size and engine (after 1 warm-up)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="each engine's cache budget (they coexist)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out", default="benchmarks/results/cpu/offline_throughput_cpu.json")

@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve
 from bench_common import metadata, write_json
-from bench_offline_throughput import build_checkpoint
+from bench_offline_throughput import add_checkpoint_args, build_checkpoint
 from fuzz_server import start_server
 
 
@@ -98,10 +98,7 @@ def cpu_utilization(run, server_pid: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="'tiny' or a KimiLinearConfig JSON file")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--seed", type=int, default=0)
+    add_checkpoint_args(ap)
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)

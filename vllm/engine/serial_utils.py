@@ -1,9 +1,10 @@
 """RequestOutputs as plain tuples for the pipe between the engine core process and the front end.
 
 Pickling slotted dataclasses goes through Python-level reduction per object: 64 streams' outputs of one step
-(a completion each, its logprob) took 454 us to pickle and 413 us to unpickle on the development machine,
-against 218 and 208 us as tuples built field by field with getattr, and ~110 and ~125 us as the tuples below
-(benchmarks/bench_pipe_outputs.py). The core pickles on its step loop, so that time comes off every step.
+(a completion each, its logprob) take 423-738 us to pickle and 310-601 us to unpickle on the development
+machine, against 111-204 and 167-281 us as the tuples below, spelt out field by field (three runs of
+benchmarks/bench_pipe_outputs.py --streams 64 --logprobs 1, a noisy machine; tuples built with a getattr per
+field took 218 and 208 us). The core pickles on its step loop, so that time comes off every step.
 Outputs travel without their prompt (text and ids): the front end has it and puts it back (`MPClient`).
 The tuples spell the fields out in the dataclasses' order; tests/engine/test_serial_utils.py sets every field
 of every dataclass to a non-default value and round-trips it, so a field added there and not here fails.
