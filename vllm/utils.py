@@ -29,9 +29,10 @@ def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:
 def freeze_gc_heap() -> None:
     """Moves every object alive now out of the cyclic garbage collector's reach (as upstream's engine core and
     API server do once started). A process that holds a model, its tokenizer and the server for its whole life
-    has hundreds of thousands of objects, and each oldest-generation collection walked all of them: with 64
-    streams, steps whose output building triggered one took 1.2 ms longer on average (mean against median step
-    time, development CPU). Only for processes that own what they hold until exit: a frozen object that later
-    becomes cyclic garbage is never collected."""
+    has hundreds of thousands of objects, and each oldest-generation collection walks all of them in whichever
+    step allocates at that moment: with 64 streams on the built-in model that step took 252 ms against a median
+    of 2 ms (benchmarks/bench_gc_pauses.py, development CPU; frozen, the slowest of 200 steps took 2.9).
+    Only for processes that own what they hold until exit: a frozen object that later becomes cyclic garbage is
+    never collected."""
     gc.collect()
     gc.freeze()
