@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -55,11 +56,18 @@ class EngineStats:
 
 Rejected = list[tuple[str, Exception]]
 
+# A served step past both bounds stalls every stream in flight visibly; the warning names the step's shape, so
+# that a variant first met while serving (a compile, a new graph) can be found and warmed at start-up. Relative
+# to the running mean too, so that a device whose every step is slow (a CPU) does not warn at each one.
+SLOW_STEP_S = 0.1
+SLOW_STEP_OVER_MEAN = 10.0
+
 
 class EngineCore:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.prompt_tokens_total = 0
+        self.mean_step_s: float | None = None  # exponential moving mean of step times
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Exception | None:
         """Queues the request; bad input is returned (for that request's consumer), not raised."""
@@ -81,14 +89,25 @@ class EngineCore:
     def step(self) -> tuple[list[RequestOutput], Rejected]:
         """One engine step. A step that raises is a bug, not bad input (the engine contains those per request):
         every request in flight fails with it, and the engine stays up for new ones."""
+        start = time.perf_counter()
         try:
-            return self.engine.step(), []
+            outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
             logger.exception("engine step failed")
             request_ids = list(self.engine.output_processor.parents)
             self.engine.abort_request(request_ids)
             error = RuntimeError(f"the engine failed while running this request: {e}")
             return [], [(rid, error) for rid in request_ids]
+        seconds = time.perf_counter() - start
+        mean = self.mean_step_s
+        self.mean_step_s = seconds if mean is None else 0.95 * mean + 0.05 * seconds
+        if (mean is not None and seconds >= max(SLOW_STEP_S, SLOW_STEP_OVER_MEAN * mean)
+                and self.engine.last_scheduled is not None):
+            rows = self.engine.last_scheduled.scheduled
+            prefill = [s.num_tokens for s in rows if s.is_prefilling]
+            logger.warning("engine step took %.3f s: %d rows, %d tokens, prefill chunks %s", seconds, len(rows),
+                           sum(s.num_tokens for s in rows), prefill)
+        return outputs, []
 
     def stats(self) -> EngineStats:
         engine = self.engine

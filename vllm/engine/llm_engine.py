@@ -53,6 +53,7 @@ class LLMEngine:
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -163,6 +164,7 @@ class LLMEngine:
         if not sched.scheduled:
             return outputs + self._drain()
         rows = sched.scheduled
+        self.last_scheduled = sched
         in_flight = self.in_flight[1].in_flight_tokens if self.in_flight is not None else None
         try:
             sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids],
