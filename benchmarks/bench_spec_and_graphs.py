@@ -44,12 +44,15 @@ class OracleProposer:
 
 
 def make_llm(args, path: Path, graphs: bool, spec: dict | None, max_seqs: int, **extra) -> LLM:
+    """The benchmarks' engine; `extra` adds LLM keywords or overrides these."""
     comp = {"cudagraph_mode": "FULL_DECODE_ONLY"} if graphs else None
-    return LLM(model=str(path), dtype=args.dtype, device=args.device, seed=args.seed, enforce_eager=not graphs,
-               compilation_config=comp, speculative_config=spec, max_model_len=args.prompt_len + args.output_len + 16,
-               max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs * (1 + args.num_spec)),
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None, **extra)
+    kwargs = dict(model=str(path), dtype=args.dtype, device=args.device, seed=args.seed, enforce_eager=not graphs,
+                  compilation_config=comp, speculative_config=spec,
+                  max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=max_seqs,
+                  max_num_batched_tokens=max(2048, max_seqs * (1 + args.num_spec)),
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  kv_cache_memory_bytes=(256 << 20) if args.device == "cpu" else None)
+    return LLM(**{**kwargs, **extra})
 
 
 def step_times(llm: LLM, batch: int, args) -> list[float]:

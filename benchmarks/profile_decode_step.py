@@ -8,6 +8,9 @@ the profiler. Prints the graph each step replayed, the kernels by GPU time, the 
 synchronisations and copies per step, and the time per step over `--steps` back-to-back steps (one device sync
 at the end, so overlapped host work is not counted twice). This is what showed the MoE
 every-expert path putting ~2,300 small kernels into each decode graph (results/gpu/*profile_decode_step*).
+
+`--prefill 32x256` profiles one prefill step instead: 32 prompts of 256 tokens in one step, as the served load's
+waves bring them, on the default engine (graphs for decode, async scheduling).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from bench_common import sync
 from bench_offline_throughput import build_checkpoint
 from bench_spec_and_graphs import make_llm
+import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -28,6 +32,52 @@ from vllm import SamplingParams
 # Runtime calls that make the host wait for the device (or queue copies): counted per step.
 HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
               "cudaGraphLaunch")
+
+
+def report(prof, steps: int, rows: int, device: str) -> None:
+    """The profiler's tables (kernels by GPU time, host ops by CPU time) and per-step counts."""
+    averages = prof.key_averages()
+    for key in (("cuda_time_total",) if device == "cuda" else ()) + ("cpu_time_total",):
+        print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    calls = {e.key: e.count for e in averages}
+    print("per step: " + ", ".join(f"{name} {calls.get(name, 0) / steps:.1f}" for name in HOST_WAITS), flush=True)
+    # Device events are kernels, plus the copies and memsets queued between them.
+    device_events = [e for e in averages if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.key.startswith(("Memcpy", "Memset"))]
+    if kernels:
+        print(f"per step: {sum(e.count for e in kernels) / steps:.0f} kernels, "
+              f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms of kernel time; "
+              f"{sum(e.count for e in device_events if e not in kernels) / steps:.0f} copies/memsets", flush=True)
+
+
+def profile_prefill(llm, num_prompts: int, prompt_len: int, rows: int, device: str) -> None:
+    """One step of `num_prompts` prompt chunks of `prompt_len` tokens (the served load's prefill wave), after
+    the same step once unprofiled; its wall time is the median of 5 more."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    gen = torch.Generator().manual_seed(num_prompts)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    times = []
+    for run in range(7):
+        for i in range(num_prompts):
+            ids = torch.randint(3, engine.vocab_size, (prompt_len,), generator=gen).tolist()
+            engine.add_request(f"prefill{run}-{i}", {"prompt_token_ids": ids}, params)
+        sync(device)
+        if run == 1:
+            with profile(activities=activities) as prof:
+                engine.step()
+                sync(device)
+        else:
+            t0 = time.perf_counter()
+            engine.step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+    print(f"=== prefill step: {num_prompts} x {prompt_len} tokens")
+    report(prof, 1, rows, device)
+    print(f"step time {sorted(times[1:])[len(times[1:]) // 2] * 1e3:.2f} ms (median of 5 unprofiled steps)",
+          flush=True)
 
 
 def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
@@ -48,18 +98,7 @@ def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
         sync(device)
     runner._graph_for = pick
     print(f"=== batch {batch}: replayed {replayed[-1]}")
-    averages = prof.key_averages()
-    for key in (("cuda_time_total",) if device == "cuda" else ()) + ("cpu_time_total",):
-        print(averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
-    calls = {e.key: e.count for e in averages}
-    print("per step: " + ", ".join(f"{name} {calls.get(name, 0) / steps:.1f}" for name in HOST_WAITS), flush=True)
-    # Device events are kernels, plus the copies and memsets queued between them.
-    device_events = [e for e in averages if e.device_type == DeviceType.CUDA]
-    kernels = [e for e in device_events if not e.key.startswith(("Memcpy", "Memset"))]
-    if kernels:
-        print(f"per step: {sum(e.count for e in kernels) / steps:.0f} kernels, "
-              f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms of kernel time; "
-              f"{sum(e.count for e in device_events if e not in kernels) / steps:.0f} copies/memsets", flush=True)
+    report(prof, steps, rows, device)
     runs = []
     for _ in range(5):
         sync(device)
@@ -83,6 +122,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=12, help="rows per profiler table")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--prefill", default=None, metavar="NxL",
+                    help="profile one prefill step of N prompts of L tokens instead (default engine: graphs, async)")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp(prefix="profile_decode_"))
     build_checkpoint(argparse.Namespace(config=args.config, device=args.device, dtype=args.dtype, seed=0), path)
@@ -90,6 +131,12 @@ def main() -> None:
     engine_args = argparse.Namespace(dtype=args.dtype, device=args.device, seed=0, prompt_len=16,
                                      output_len=8 * args.steps + 20, num_spec=0,
                                      gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.prefill:
+        n, length = (int(v) for v in args.prefill.split("x"))
+        engine_args.prompt_len, engine_args.output_len = length, 1
+        llm = make_llm(engine_args, path, True, None, n, max_num_batched_tokens=max(8192, n * length))
+        profile_prefill(llm, n, length, args.rows, args.device)
+        return
     for graphs, overlap in ((True, True), (True, False), (False, True)):
         print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}, "
               f"{'async scheduling' if overlap else 'synchronous'}")

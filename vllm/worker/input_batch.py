@@ -229,21 +229,33 @@ class InputBatch:
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[:num_tokens % num_reqs] += 1
         assert lens.max() <= max_query_len, "a capture shape whose rows exceed its max_query_len"
+        self.fill_dummy(lens, np.zeros(num_reqs, dtype=np.int64), np.zeros(num_reqs, dtype=bool))
+
+    def fill_dummy(self, query_lens: np.ndarray, context_lens: np.ndarray, prefilling: np.ndarray) -> None:
+        """Harmless inputs of a given shape (a capture, a start-up warm-up step): token 0 everywhere, contexts
+        read from block 0, no cache writes, every request on the null state slot."""
+        n, T = len(query_lens), int(query_lens.sum())
         self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1:num_reqs + 1] = np.cumsum(lens)
-        self.seq_lens.np[:num_reqs] = lens
-        self.input_ids.np[:num_tokens] = 0
-        self.positions.np[:num_tokens] = np.arange(num_tokens) - np.repeat(self.query_start_loc.np[:num_reqs], lens)
-        self.slot_mapping.np[:num_tokens] = -1
-        self.block_table.np[:num_reqs] = 0
-        self.row_lists[:num_reqs] = [None] * num_reqs  # the next step rewrites these rows
+        self.query_start_loc.np[1:n + 1] = np.cumsum(query_lens)
+        self.seq_lens.np[:n] = context_lens + query_lens
+        self.input_ids.np[:T] = 0
+        self.positions.np[:T] = (np.arange(T) - np.repeat(self.query_start_loc.np[:n], query_lens)
+                                 + np.repeat(context_lens, query_lens))
+        self.slot_mapping.np[:T] = -1
+        self.block_table.np[:n] = 0
+        self.row_lists[:n] = [None] * n  # the next step rewrites these rows
         self._last_decode_rows = None
         self.new_blocks = []
-        self.block_table.copy_to_device(num_reqs)
-        self.state_indices.np[:num_reqs] = NULL_STATE_SLOT
-        self.num_accepted.np[:num_reqs] = 1
-        self.is_prefilling_np[:num_reqs] = False
-        self._copy_to_device(num_reqs, num_tokens)
+        self.block_table.copy_to_device(n)
+        self.state_indices.np[:n] = NULL_STATE_SLOT
+        self.num_accepted.np[:n] = 1
+        self.is_prefilling_np[:n] = prefilling
+        self._copy_to_device(n, T)
+
+    def dummy_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int,
+                       max_seq_len: int) -> CommonAttentionMetadata:
+        """An eager step's metadata over what fill_dummy wrote."""
+        return self._metadata(num_reqs, num_tokens, max_query_len, max_seq_len, freeze_host=False)
 
     def graph_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int,
                        max_seq_len: int) -> CommonAttentionMetadata:

@@ -31,6 +31,7 @@ from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGra
                                    capture_descriptors, capture_sizes, resolve_mode)
 from vllm.worker.input_batch import InFlightTokens, InputBatch
 from vllm.worker.piecewise import PiecewiseCUDAGraphs, piecewise_sizes
+from vllm.worker.warmup import eager_warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
         self.kda_prefill_name = backends.kda.prefill.name
+        self.kda_prefill_backend = backends.kda.prefill
         self.conv_history_major = backends.kda.conv_state_history_major
         self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
         self.sampler = Sampler()
@@ -200,7 +202,29 @@ class ModelRunner:
                             needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
         if descs or pieces:
             self._capture_cudagraphs(descs, pieces, graph_bytes)
+        if self.device.type == "cuda":  # elsewhere nothing compiles (torch kernels, or Triton's interpreter)
+            self.warm_up_eager_steps()
         return kv
+
+    @torch.inference_mode()
+    def warm_up_eager_steps(self) -> None:
+        """One eager forward of each step shape in `warmup.eager_warmup_steps`, over harmless inputs (no cache
+        writes, the null state slot), so that their kernels compile now and not under the first requests."""
+        sc = self.config.scheduler_config
+        # The backends' own thresholds, where they have them; without one, that choice does not exist.
+        short = getattr(self.mla_builder, "prefill_min_query_len", 16)
+        recurrent = getattr(self.kda_prefill_backend, "recurrent_prefill_max_len", 256)
+        steps = eager_warmup_steps(sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len, short, recurrent)
+        start = time.monotonic()
+        for step in steps:
+            lens, contexts = np.array(step.query_lens), np.array(step.context_lens)
+            self.input_batch.fill_dummy(lens, contexts, np.array(step.prefilling))
+            common = self.input_batch.dummy_metadata(len(lens), step.num_tokens, int(lens.max()),
+                                                     int((lens + contexts).max()))
+            self._forward(step.num_tokens, common)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warmed up %d eager step shapes in %.1f s", len(steps), time.monotonic() - start)
 
     def _graph_descriptors(self) -> list[BatchDescriptor]:
         """The graphs to capture, largest first (smaller ones then reuse its memory pool)."""

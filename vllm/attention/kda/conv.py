@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_TOTAL"])  # the step's token count: one kernel for all
 def _conv_kernel(x_ptr, w_ptr, state_ptr, y_ptr, qsl_ptr, slot_ptr, init_ptr, C_SPLIT, T_TOTAL, stride_x,
                  stride_slot, stride_c, stride_w, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0)

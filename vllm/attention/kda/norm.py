@@ -13,7 +13,7 @@ import triton.language as tl
 from vllm.attention.kda.metadata import KDAWeights
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the step's token count: one kernel for all
 def _gated_rmsnorm_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, n_rows, H, stride_gate, eps, V,
                           BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = token * H + head

@@ -29,7 +29,7 @@ def _write_latent_kernel(latent_ptr, cache_ptr, slot_ptr, stride_latent, stride_
     tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lat_h", "stride_out_s", "stride_lse_s"])  # T * ...: per step
 def _split_attention_kernel(
         q_lat_ptr, q_rope_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, out_ptr, lse_ptr, skip_ptr, qk_scale,
         stride_lat_t, stride_lat_h, stride_rope_t, stride_rope_h, stride_blk, stride_off, stride_bt,
@@ -95,28 +95,32 @@ def _split_attention_kernel(
         tl.store(lse_ptr + split.to(tl.int64) * stride_lse_s + tok * stride_lse_t + h, lse, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs,
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_part_s", "stride_lse_s"])
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_splits,
                          stride_part_s, stride_part_t, stride_part_h, stride_lse_s, stride_lse_t,
-                         stride_out_t, stride_out_h, H: tl.constexpr, L: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr):
+                         stride_out_t, stride_out_h, H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_L: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     if tok >= tl.load(qsl_ptr + num_reqs):  # padding tokens past the last request have no partials
         return
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_s, offs_l = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_L)
+    offs_l = tl.arange(0, BLOCK_L)
     h_ok, l_ok = h < H, offs_l < L
-    lse = tl.load(lse_ptr + offs_s[:, None] * stride_lse_s + tok * stride_lse_t + h[None, :],
-                  mask=(offs_s < NUM_SPLITS)[:, None] & h_ok[None, :], other=float("-inf"))
-    # Split 0 always holds position 0, so a real row's max is finite; lanes past H are never stored.
-    m = tl.where(h_ok, tl.max(lse, 0), 0.0)
-    denom = tl.where(h_ok, tl.sum(tl.exp2(lse - m[None, :]), 0), 1.0)
+    # An online softmax over the splits: their count is a runtime value, so the count each eager step picks
+    # needs no kernel of its own. Split 0 always holds position 0, so a real row's running max is finite from
+    # it on (empty splits carry lse -inf and weigh 0); lanes past H load 0 and are never stored.
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     lse_ptrs = lse_ptr + tok * stride_lse_t + h
     part_ptrs = part_ptr + tok * stride_part_t + h[:, None] * stride_part_h + offs_l[None, :]
-    for _ in range(NUM_SPLITS):  # pointers step by split: 64-bit, where split * stride could overflow int32
-        w = tl.exp2(tl.load(lse_ptrs, mask=h_ok, other=0.0) - m)
-        acc += w[:, None] * tl.load(part_ptrs, mask=h_ok[:, None] & l_ok[None, :], other=0.0)
+    for _ in range(num_splits):  # pointers step by split: 64-bit, where split * stride could overflow int32
+        lse = tl.load(lse_ptrs, mask=h_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
+        denom = denom * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * tl.load(part_ptrs, mask=h_ok[:, None] & l_ok[None, :], other=0.0)
+        m = m_new
         lse_ptrs += stride_lse_s
         part_ptrs += stride_part_s
     tl.store(out_ptr + tok * stride_out_t + h[:, None] * stride_out_h + offs_l[None, :],
@@ -190,7 +194,7 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if not final:
         BLOCK_H = min(16, triton.next_power_of_2(H))
         _merge_splits_kernel[(T, triton.cdiv(H, BLOCK_H))](
-            part, lse, out, query_start_loc, num_reqs, part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H=H, L=L, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L, num_warps=4)
+            part, lse, out, query_start_loc, num_reqs, num_splits, part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H=H, L=L, BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L,
+            num_warps=4)
     return out

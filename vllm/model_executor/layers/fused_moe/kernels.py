@@ -5,6 +5,8 @@ kernel lays the pairs out expert by expert, each expert's run padded to a whole 
 that every BLOCK_M block of the sorted layout belongs to one expert. The GEMM grids are sized for the most
 blocks any routing can need (known from the shapes alone); blocks past the routing's real count, read from the
 device, return at once. So nothing reaches the host and one grid replays in a CUDA graph for any routing.
+`num_pairs` changes every step, so Triton does not specialise it: a count that turned a multiple of 16 would
+otherwise compile a second kernel in the middle of serving.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from triton.language.extra import libdevice
 ACT_SILU, ACT_SITU = tl.constexpr(0), tl.constexpr(1)  # constexpr: the kernels branch on them
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
                   BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """Program e writes expert e's pairs, in pair order, at its padded offset, and its blocks' expert id.
@@ -74,7 +76,7 @@ def _tanh(x, LIBDEVICE: tl.constexpr):
     return 2.0 * _sigmoid(2.0 * x) - 1.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_act_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                         K, INTER, stride_xm, stride_we, stride_wn, stride_om, situ_beta, situ_linear_beta,
                         TOP_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,7 +113,7 @@ def _gate_up_act_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
                  num_pairs, K, N, stride_am, stride_we, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
