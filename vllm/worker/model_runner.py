@@ -133,7 +133,6 @@ class ModelRunner:
         self.hf_config = mc.hf_config
         self.block_size = config.cache_config.block_size
         self.kda_builder = backends.kda.builder(self.block_size) if self.hf_config.kda_layers else None
-        self.kda_prefill_name = backends.kda.prefill.name
         self.kda_prefill_backend = backends.kda.prefill
         self.conv_history_major = backends.kda.conv_state_history_major
         self.mla_builder = backends.mla.builder(self.block_size) if self.hf_config.mla_layers else None
@@ -167,7 +166,7 @@ class ModelRunner:
             # The KDA prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a
             # prompt chunk cannot replay; decode and verify batches still can.
             logger.warning("cudagraph_mode FULL -> FULL_DECODE_ONLY: the KDA prefill backend %s cannot be "
-                           "captured; batches with a prompt chunk run eagerly", self.kda_prefill_name)
+                           "captured; batches with a prompt chunk run eagerly", self.kda_prefill_backend.name)
             requested = CUDAGraphMode.FULL_DECODE_ONLY
         builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
         support = min(b.cudagraph_support for b in builders)
