@@ -11,7 +11,9 @@ import torch
 
 from vllm.attention.backend import AttentionCGSupport, CommonAttentionMetadata, QueryLenSupport
 from vllm.attention.mla.torch_ref import TorchMLABackend
+from vllm.attention.mla import triton_mla_kernels as kernels
 from vllm.attention.mla.triton_mla import TritonMLABackend
+from vllm.attention.mla.triton_mla_kernels import auto_num_splits
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                        reason="CPU tensors need the Triton interpreter")),
@@ -164,15 +166,32 @@ def test_builder_and_supports_contract():
     b = TritonMLABackend.builder(16)
     assert TritonMLABackend.name == "TRITON_MLA"
     assert b.cudagraph_support == AttentionCGSupport.ALWAYS and b.query_len_support == QueryLenSupport.VARLEN
-    # Splits: many for one long decode row, one for a big batch or a long prompt chunk, capped.
-    assert b._auto_splits(1, 1, 8192) == 16 and b._auto_splits(1, 1, 1 << 20) == 128
-    assert b._auto_splits(128, 4, 8192) == 1 and b._auto_splits(1, 2048, 2048) == 1
-    assert b._auto_splits(1, 1, 100) == 1
     assert "dtype" in TritonMLABackend.supports(torch.device("cpu"), torch.int8)
     # The interpreter is a test vehicle: the CPU is refused even with it on, so `auto` never picks it there.
     assert "needs a CUDA GPU" in TritonMLABackend.supports(torch.device("cpu"), torch.bfloat16)
     if torch.cuda.is_available():
         assert TritonMLABackend.supports(torch.device("cuda"), torch.bfloat16) is None
+
+
+def test_auto_num_splits():
+    """Many splits for one long decode row, one for a big batch or a long prompt chunk; capped by the split
+    length, the split count and the partials' bytes (an L2-sized budget, or a share of the cache bytes)."""
+    n_sms, L, row = 132, 512, 1152
+
+    def splits(num_reqs, rows, block_m, seq):
+        return auto_num_splits(num_reqs, rows, block_m, L, seq, row, n_sms)
+
+    assert splits(1, 16, 16, 8192) == 8192 // kernels.MIN_SPLIT_LEN
+    assert splits(1, 16, 16, 1 << 20) == kernels.MAX_SPLITS
+    assert splits(1, 16, 16, 100) == 1
+    assert splits(128, 64, 64, 8192) == 1  # 128 programs already fill the 132 SMs
+    assert splits(32, 64, 64, 8192) == 4  # 32 want 4 splits; their partials are 14% of the cache reads
+    assert splits(1, 2048, 64, 2048) == kernels.PARTIAL_BUDGET_BYTES // (2048 * L * 8)  # 16 tokens x 128 heads
+    # 4-token rows at 128 heads: 512 rows x 8 KiB of partial traffic per request and split. At 8K positions
+    # the budget allows a few splits for 2 requests; at 64 requests none.
+    two = splits(2, 512, 64, 8192)
+    assert 1 < two and two * 2 * 512 * L * 8 <= kernels.PARTIAL_BUDGET_BYTES
+    assert splits(64, 512, 64, 8192) == 1
 
 
 @pytest.mark.parametrize("prefill_min_query_len", [ALL_ABSORBED, 4])
@@ -186,7 +205,8 @@ def test_build_reads_no_device_values(prefill_min_query_len):
         setattr(common, name, getattr(common, name).to("meta"))
     meta = TritonMLABackend.builder(4, prefill_min_query_len=prefill_min_query_len).build(common)
     assert meta.query_start_loc.shape == (6,) and meta.slot_mapping.shape == (common.num_actual_tokens,)
-    expected = (5, 12, 1) if prefill_min_query_len == ALL_ABSORBED else (5, 4, 1)
+    # Without prompt chunks the kernel picks the splits; with them, the absorbed rows run unsplit.
+    expected = (5, 12, None) if prefill_min_query_len == ALL_ABSORBED else (5, 4, 1)
     assert (meta.num_reqs, meta.max_query_len, meta.num_splits) == expected
 
 

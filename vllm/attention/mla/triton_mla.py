@@ -33,13 +33,6 @@ try:
 except ImportError as e:  # supports() reports it; nothing else here runs without triton
     _kernels, _IMPORT_ERROR = None, e
 
-# Split sizing: enough programs to give every SM about two, but each split at least _MIN_SPLIT_LEN context
-# positions: a split writes and the merge reads back fp32 partials of H x L per token, which at 16..64
-# heads stays near a tenth of the split's cache reads at 512 positions. A starting point to tune on GPU.
-_PROGRAMS_PER_SM = 2
-_MIN_SPLIT_LEN = 512
-_MAX_SPLITS = 128  # 128K positions at 1K a split: about one program per SM for a lone request
-_DEFAULT_NUM_SMS = 132  # H100/H200, when no GPU is visible (the interpreter)
 # Prompt chunks longer than this run unabsorbed (module docstring). Verify rows never do: they are not prompts.
 PREFILL_MIN_QUERY_LEN = 16
 # Never the math backend on a GPU: it would materialise [H, q, context] scores (32 GiB at a 32K prompt). The
@@ -65,7 +58,8 @@ class TritonMLAMetadata:
     slot_mapping: torch.Tensor  # device int64 [num_actual_tokens], -1 for padding
     num_reqs: int
     max_query_len: int  # bound on the query length of every absorbed row: sizes the grid; 0: no absorbed row
-    num_splits: int
+    max_seq_len: int  # bound on every row's sequence length: sizes the context splits
+    num_splits: int | None  # None: the kernel picks them from the bounds and the head count
     block_size: int
     prefill_rows: tuple[PrefillRow, ...] = ()
     skip_reqs: torch.Tensor | None = None  # device int8 [B]: 1 for the requests of prefill_rows
@@ -82,10 +76,8 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, block_size: int, num_splits: int | None = None,
                  prefill_min_query_len: int = PREFILL_MIN_QUERY_LEN) -> None:
         self.block_size = block_size
-        self.num_splits = num_splits  # None: pick per step from the batch shape
+        self.num_splits = num_splits  # None: the kernel picks them per step (triton_mla_kernels.auto_num_splits)
         self.prefill_min_query_len = prefill_min_query_len
-        self.num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-                        if torch.cuda.is_available() else _DEFAULT_NUM_SMS)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
         n = common.num_reqs
@@ -98,11 +90,11 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
             lens = common.query_lens_cpu[:n].tolist()
             max_query_len = max((q for r, q in enumerate(lens) if r not in planned), default=0)
             skip = async_tensor_h2d([r in planned for r in range(n)], torch.int8, common.query_start_loc.device)
-        splits = 1 if prefill else self.num_splits or self._auto_splits(n, max_query_len, common.max_seq_len)
         return TritonMLAMetadata(
             query_start_loc=common.query_start_loc[:n + 1], seq_lens=common.seq_lens[:n],
             block_table=common.block_table[:n], slot_mapping=common.slot_mapping[:common.num_actual_tokens],
-            num_reqs=n, max_query_len=max_query_len, num_splits=splits, block_size=self.block_size,
+            num_reqs=n, max_query_len=max_query_len, max_seq_len=common.max_seq_len,
+            num_splits=1 if prefill else self.num_splits, block_size=self.block_size,
             prefill_rows=prefill, skip_reqs=skip)
 
     def _prefill_rows(self, common: CommonAttentionMetadata) -> tuple[PrefillRow, ...]:
@@ -115,15 +107,6 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
             return ()
         return tuple(PrefillRow(r, int(qsl[r]), int(qsl[r + 1]), int(common.seq_lens_cpu[r]))
                      for r in long.nonzero().flatten().tolist())
-
-    def _auto_splits(self, num_reqs: int, max_query_len: int, max_seq_len: int) -> int:
-        # The builder does not know H, so it counts one row block per query token: exact for one-token
-        # decode at H <= 64, an over-count (fewer splits) when few heads let tokens share a block. Prompt
-        # chunks bring many row blocks and get no split. Powers of two bound the merge kernel's variants.
-        row_blocks = max(1, num_reqs * max_query_len)
-        want = min(-(-self.num_sms * _PROGRAMS_PER_SM // row_blocks), -(-max_seq_len // _MIN_SPLIT_LEN),
-                   _MAX_SPLITS)
-        return 1 << (max(1, want) - 1).bit_length()
 
 
 class TritonMLABackend(AttentionBackend):
@@ -170,7 +153,7 @@ class TritonMLABackend(AttentionBackend):
             q_lat = torch.bmm(q[..., :qk_nope_head_dim].transpose(0, 1), w_uk)
             o_lat = _kernels.latent_attention(q_lat, q[..., qk_nope_head_dim:], kv_cache, meta.query_start_loc,
                                               meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len,
-                                              meta.num_splits, scale, meta.skip_reqs)
+                                              meta.max_seq_len, scale, meta.num_splits, meta.skip_reqs)
             torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         for row in meta.prefill_rows:
             out[row.q_start:row.q_end] = unabsorbed_attention(

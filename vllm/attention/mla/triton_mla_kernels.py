@@ -9,7 +9,9 @@ Scores run in base 2 (exp2/log2), with the softmax scale folded into log2(e).
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -98,49 +100,92 @@ def _split_attention_kernel(
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_part_s", "stride_lse_s"])
 def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, qsl_ptr, num_reqs, num_splits,
                          stride_part_s, stride_part_t, stride_part_h, stride_lse_s, stride_lse_t,
-                         stride_out_t, stride_out_h, H: tl.constexpr, L: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_L: tl.constexpr):
+                         stride_out_t, stride_out_h, L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+    # One program per (token, head, BLOCK_L columns): a lone long request has many splits and few rows, and
+    # its merge must not fall to a handful of programs streaming every split's partials one after another.
     tok = tl.program_id(0).to(tl.int64)
     if tok >= tl.load(qsl_ptr + num_reqs):  # padding tokens past the last request have no partials
         return
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_l = tl.arange(0, BLOCK_L)
-    h_ok, l_ok = h < H, offs_l < L
-    # An online softmax over the splits: their count is a runtime value, so the count each eager step picks
-    # needs no kernel of its own. Split 0 always holds position 0, so a real row's running max is finite from
-    # it on (empty splits carry lse -inf and weigh 0); lanes past H load 0 and are never stored.
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    lse_ptrs = lse_ptr + tok * stride_lse_t + h
-    part_ptrs = part_ptr + tok * stride_part_t + h[:, None] * stride_part_h + offs_l[None, :]
-    for _ in range(num_splits):  # pointers step by split: 64-bit, where split * stride could overflow int32
-        lse = tl.load(lse_ptrs, mask=h_ok, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha, w = tl.exp2(m - m_new), tl.exp2(lse - m_new)
-        denom = denom * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * tl.load(part_ptrs, mask=h_ok[:, None] & l_ok[None, :], other=0.0)
-        m = m_new
-        lse_ptrs += stride_lse_s
-        part_ptrs += stride_part_s
-    tl.store(out_ptr + tok * stride_out_t + h[:, None] * stride_out_h + offs_l[None, :],
-             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
+    h = tl.program_id(1)
+    offs_l = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = offs_l < L
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = lse_ptr + tok * stride_lse_t + h
+    # The splits' count is a runtime value, so the count each eager step picks needs no kernel of its own.
+    # Split 0 always holds position 0, so a real row's max is finite; empty splits carry lse -inf, weigh 0.
+    m = float("-inf")
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        m = tl.maximum(m, tl.max(tl.load(lse_row + s.to(tl.int64) * stride_lse_s, mask=s < num_splits,
+                                         other=float("-inf"))))
+    denom = 0.0
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    part_row = part_ptr + tok * stride_part_t + h * stride_part_h
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        s_ok = s < num_splits
+        w = tl.exp2(tl.load(lse_row + s.to(tl.int64) * stride_lse_s, mask=s_ok, other=float("-inf")) - m)
+        part = tl.load(part_row + s.to(tl.int64)[:, None] * stride_part_s + offs_l[None, :],
+                       mask=s_ok[:, None] & l_ok[None, :], other=0.0)
+        denom += tl.sum(w)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    tl.store(out_ptr + tok * stride_out_t + h * stride_out_h + offs_l, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=l_ok)
 
 
-def _tile_config(dtype: torch.dtype, rows: int, block_l: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for `rows` = max_query_len * H query rows per request.
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    block_m: int  # query rows (token * H + head) per program: the M of both dots
+    block_n: int  # cache positions per loop step
+    num_warps: int
+    num_stages: int
 
-    Checked with ptxas for sm_90a and sm_80 at L=512, R=64, bf16/fp16 (not yet timed on a GPU): 8 warps
-    hold the [BLOCK_M, 512] fp32 accumulator without spills, the paged loads pipeline into cp.async, and
-    BLOCK_M=64 runs on wgmma. BLOCK_M is the M of both dots: all heads of a decode token share one tile.
+
+def tile_config(dtype: torch.dtype, rows: int, block_l: int) -> TileConfig:
+    """The tile for `rows` = max_query_len * H query rows per request.
+
+    Checked with ptxas for sm_90a and sm_80 at L=512, R=64, bf16/fp16: 8 warps hold the [BLOCK_M, 512] fp32
+    accumulator without spills, the paged loads pipeline into cp.async, and BLOCK_M=64 runs on wgmma. All
+    heads of a decode token share one tile; a request with more rows than BLOCK_M has several row blocks,
+    which run side by side so the cache tiles they share come from L2.
     """
     if block_l < 256:  # small latent widths (tests): small tiles, several per context
-        return min(64, max(16, triton.next_power_of_2(rows))), 16, 4, 2
+        return TileConfig(min(64, max(16, triton.next_power_of_2(rows))), 16, 4, 2)
     if dtype == torch.float32:  # ieee fp32 dots run on the FMA units; wider tiles spill
-        return 16, 16, 8, 2
+        return TileConfig(16, 16, 8, 2)
+    # Measured on the H200 (benchmarks/results/gpu/mla_decode_tuning_*.json): the best of 12 tiles at 16 heads
+    # x 1 token (16 rows), and at 64..128 rows.
     if rows > 32:
-        return 64, 32, 8, 2  # 238 registers, 144 KiB shared
-    return max(16, triton.next_power_of_2(rows)), 64, 8, 3  # 182..217 registers, 93..113 KiB shared
+        return TileConfig(64, 64, 8, 2)
+    if rows > 16:
+        return TileConfig(32, 64, 8, 2)
+    return TileConfig(16, 128, 8, 2)
+
+
+# Split-KV sizing (flash-decoding): enough programs to give every SM PROGRAMS_PER_SM, each split at least
+# MIN_SPLIT_LEN positions. Every split writes fp32 partials of rows x L per request that the merge reads back:
+# they may take PARTIAL_BUDGET_BYTES (they stay in L2) or PARTIAL_SHARE of the cache bytes the step reads.
+PROGRAMS_PER_SM = 1
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 128
+PARTIAL_BUDGET_BYTES = 24 << 20
+PARTIAL_SHARE = 0.15
+
+
+def auto_num_splits(num_reqs: int, rows_per_req: int, block_m: int, latent_dim: int, max_seq_len: int,
+                    cache_row_bytes: int, num_sms: int) -> int:
+    """Splits of the context for a step of num_reqs requests of rows_per_req query rows each."""
+    programs = num_reqs * -(-rows_per_req // block_m)
+    partial_bytes = 2 * num_reqs * rows_per_req * latent_dim * 4  # per split: written, then read
+    budget = max(PARTIAL_BUDGET_BYTES, PARTIAL_SHARE * num_reqs * max_seq_len * cache_row_bytes)
+    want = min(num_sms * PROGRAMS_PER_SM // programs, -(-max_seq_len // MIN_SPLIT_LEN), MAX_SPLITS,
+               int(budget // partial_bytes))
+    return max(1, want)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -156,16 +201,18 @@ def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: tor
 
 def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     num_reqs: int, max_query_len: int, num_splits: int, scale: float,
-                     skip_reqs: torch.Tensor | None = None) -> torch.Tensor:
+                     num_reqs: int, max_query_len: int, max_seq_len: int, scale: float,
+                     num_splits: int | None = None, skip_reqs: torch.Tensor | None = None,
+                     tile: TileConfig | None = None) -> torch.Tensor:
     """Causal absorbed attention of every query row over its request's paged latent cache.
 
     q_lat [H, T, L] (W_UK already applied), q_rope [T, H, R], kv_cache [blocks, bs, L+R]. Returns the
     latent output [T, H, L] in q_lat's dtype; rows of tokens outside every request, and of requests whose
     skip_reqs entry (device int8 [num_reqs]) is non-zero, are left unwritten (with num_splits == 1 only:
-    the merge would read their partials).
+    the merge would read their partials). max_query_len and max_seq_len bound the rows' lengths (they size
+    the grid); num_splits None picks the split count from them (auto_num_splits); tile overrides tile_config.
     """
-    assert skip_reqs is None or num_splits == 1, "skipped requests have no partials to merge"
+    assert skip_reqs is None or num_splits in (None, 1), "skipped requests have no partials to merge"
     H, T, L = q_lat.shape
     R = q_rope.shape[-1]
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
@@ -173,28 +220,32 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if T == 0 or num_reqs == 0:
         return out
     BLOCK_L, BLOCK_R = triton.next_power_of_2(L), max(16, triton.next_power_of_2(R))
-    BLOCK_M, BLOCK_N, num_warps, num_stages = _tile_config(kv_cache.dtype, max_query_len * H, BLOCK_L)
+    tile = tile or tile_config(kv_cache.dtype, max_query_len * H, BLOCK_L)
+    if num_splits is None:
+        num_splits = 1 if skip_reqs is not None else auto_num_splits(
+            num_reqs, max_query_len * H, tile.block_m, L, max_seq_len, kv_cache.shape[-1] * kv_cache.element_size(),
+            _num_sms(q_lat.device))
     final = num_splits == 1  # a single split is already normalised: write it straight out, skip the merge
     if final:
         part, lse = out.unsqueeze(0), out.new_empty(0, 0, dtype=torch.float32)  # lse is not written
     else:
         part = torch.empty(num_splits, T, H, L, dtype=torch.float32, device=q_lat.device)
         lse = torch.empty(num_splits, T, H, dtype=torch.float32, device=q_lat.device)
-    grid = (triton.cdiv(max_query_len * H, BLOCK_M), num_splits, num_reqs)
+    grid = (triton.cdiv(max_query_len * H, tile.block_m), num_splits, num_reqs)
     _split_attention_kernel[grid](
         q_lat, q_rope, kv_cache, block_table, query_start_loc, seq_lens, part, lse,
         query_start_loc if skip_reqs is None else skip_reqs, scale * math.log2(math.e),
         q_lat.stride(1), q_lat.stride(0), q_rope.stride(0), q_rope.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_table.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
-        H=H, L=L, R=R, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_L=BLOCK_L,
+        H=H, L=L, R=R, PAGE=kv_cache.shape[1], BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_L=BLOCK_L,
         BLOCK_R=BLOCK_R, FINAL=final, HAS_SKIP=skip_reqs is not None,
         PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     if not final:
-        BLOCK_H = min(16, triton.next_power_of_2(H))
-        _merge_splits_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        block_l = min(128, BLOCK_L)
+        _merge_splits_kernel[(T, H, triton.cdiv(L, block_l))](
             part, lse, out, query_start_loc, num_reqs, num_splits, part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), H=H, L=L, BLOCK_H=BLOCK_H, BLOCK_L=BLOCK_L,
+            lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), L=L, BLOCK_S=16, BLOCK_L=block_l,
             num_warps=4)
     return out
