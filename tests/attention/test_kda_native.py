@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from vllm.attention.kda.native import fused_kda_decode
+from vllm.attention.kda.native import arrival_counters, fused_kda_decode
 from vllm.attention.kda.ops import causal_conv1d, kda_gate, kda_recurrent, l2norm
 from vllm.model_executor.layers.layernorm import rms_normalize
 
@@ -99,22 +99,22 @@ def reference(case, state_indices, num_accepted_tokens, H, K, exact=False):
     return out, conv_state, ssm_state, written
 
 
-def run_kernel(case, state_indices, H, K, num_accepted_tokens=None):
+def run_kernel(case, state_indices, H, K, num_accepted_tokens=None, **knobs):
     """The kernel on copies of the pools, into an output pre-filled with SENTINEL."""
     conv_state, ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
     out = torch.full_like(case["output_gate"], SENTINEL)
     res = fused_kda_decode(**{**case, "conv_state": conv_state, "ssm_state": ssm_state},
                            state_indices=state_indices, num_accepted_tokens=num_accepted_tokens, num_heads=H,
-                           head_dim=K, max_query_len=max(case["query_start_loc"].diff().tolist()), out=out)
+                           head_dim=K, max_query_len=max(case["query_start_loc"].diff().tolist()), out=out, **knobs)
     assert res is out
     return out, conv_state, ssm_state
 
 
-def run_and_check(case, state_indices, H, K, num_accepted_tokens=None):
+def run_and_check(case, state_indices, H, K, num_accepted_tokens=None, **knobs):
     """Checks outputs, written slots and untouched slots against the reference; returns the kernel's results."""
     exp_out, exp_conv, exp_ssm, written = reference(
         case, state_indices, None if num_accepted_tokens is None else num_accepted_tokens.tolist(), H, K)
-    out, conv_state, ssm_state = run_kernel(case, state_indices, H, K, num_accepted_tokens)
+    out, conv_state, ssm_state = run_kernel(case, state_indices, H, K, num_accepted_tokens, **knobs)
     act = case["mixed_qkv"].dtype
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, exp_out, **TOL[act])  # also holds skipped rows to SENTINEL
@@ -216,9 +216,11 @@ def test_hard_inputs(device, lower_bound):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_v,prefetch", [(16, True), (32, True), (64, False)])
-def test_tuning_knobs_give_the_same_results(device, block_v, prefetch):
-    """State blocking and prefetching change only the schedule: outputs and pools equal the default's exactly."""
+@pytest.mark.parametrize("split,block_v,prefetch,num_warps", [(1, 16, False, 2), (1, 64, True, None),
+                                                             (2, 16, True, 4), (4, 16, False, None)])
+def test_tuning_knobs_give_the_same_results(device, split, block_v, prefetch, num_warps):
+    """Programs per head, rows per block, prefetching and warps change only the schedule: outputs and pools
+    equal the default's."""
     H, K = shapes(device)
     lens = [1, 2, 1, 3]
     slots = indices([4, 9, 2, 6], device)
@@ -227,6 +229,18 @@ def test_tuning_knobs_give_the_same_results(device, block_v, prefetch):
     conv_state, ssm_state = case["conv_state"].clone(), case["ssm_state"].clone()
     out = torch.full_like(case["output_gate"], SENTINEL)
     fused_kda_decode(**{**case, "conv_state": conv_state, "ssm_state": ssm_state}, state_indices=slots,
-                     num_heads=H, head_dim=K, max_query_len=3, out=out, block_v=block_v, prefetch=prefetch)
+                     num_heads=H, head_dim=K, max_query_len=3, out=out, split=split, block_v=block_v,
+                     prefetch=prefetch, num_warps=num_warps)
     for got, ref in zip((out, conv_state, ssm_state), want):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_arrival_counters_are_zero_after_every_launch(device):
+    """The last block of each (request, head) resets its counter, so a graph replay starts from zeros again;
+    rows that are skipped never count."""
+    H, K = shapes(device)
+    case = make_case([2, 0, 1], 8, H, K, torch.float32, torch.float32, device, seed=8)
+    for split in (2, 2, 1, 2):
+        run_and_check(case, indices([3, 5, -1], device), H, K, split=split)
+        assert not arrival_counters(torch.device(device), 3 * H).any()

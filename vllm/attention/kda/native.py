@@ -1,24 +1,29 @@
 """Fused KDA decode in Triton: conv-state update, gate, delta-rule recurrence and gated RMSNorm in one launch.
 
 Decode is bound by the recurrent state: every request reads and writes an H x [V, K] state per layer and does
-little arithmetic per byte. The kernel is shaped around moving those bytes once and keeping the SMs full:
+little arithmetic per byte. The kernel is shaped around moving those bytes once and keeping the SMs busy:
 
-* One program per (request, head) owns that head's state for all of the row's tokens: it reads the state once
-  per row and writes it once per row (once per token only where checkpoint columns ask for every token's
-  state), with loads and stores coalesced along K, the contiguous dim.
-* Rows of S are independent given the per-token head vectors (q, k, decay, beta), so the program computes those
-  once and then streams the state through registers in blocks of BV rows, running every token on a block before
-  moving to the next. A [BV, K] block instead of the whole [V, K] tile keeps registers low enough for several
-  programs per SM, whose loads overlap each other's arithmetic.
-* Not splitting a head across programs is what makes the in-place updates race-free: the q/k conv state of a
-  head feeds every V row, so with V split across programs one could overwrite it before another had read it.
-  Within a program, barriers order each state's loads before its in-place stores, whichever threads they land
-  on. The gated RMSNorm needs all V rows of o: the unnormalised o is parked in `out` until the last block.
+* Rows of S are independent given the per-token head vectors (q, k, decay, beta). A program owns K / SPLIT
+  rows of one (request, head): it computes the head vectors once, then streams its rows through registers in
+  blocks of BV, running every token of the row on a block before moving to the next, with loads and stores
+  coalesced along K. A [BV, K] block instead of the whole tile keeps registers low enough for several
+  programs per SM; with PREFETCH the next block's load is issued before this block's math.
+* SPLIT > 1 is for small batches, where (request, head) programs alone leave most SMs idle (batch 1): the
+  head's rows are spread over SPLIT programs. What they share is then finished by the last of them to
+  arrive: the q/k conv state (every part reads it, so none may overwrite it before the others have) and the
+  gated RMSNorm (it needs all V rows of o, which the parts park unnormalised in `out`). Each part bumps an
+  arrival counter of its (request, head) after its stores, behind a barrier, with release/acquire semantics;
+  the one that sees SPLIT - 1 earlier arrivals runs the epilogue and resets the counter, so the counters are
+  all zero between launches, as a CUDA graph replay needs. With SPLIT = 1 the program runs it directly.
+* Each program's own v conv channels and state rows are written only by it: barriers put each state's
+  loads before its in-place stores, whichever threads they land on.
 * The token loops are unrolled to max_query_len (a compile-time constant: 1 for plain decode, 1 + num_spec with
   speculative decoding, so only a few variants get compiled); the real ragged lengths come from the device
-  offsets, so the launch is CUDA-graph safe: no host syncs, grid (N, H) from shapes only.
+  offsets, so the launch is CUDA-graph safe: no host syncs, grid (N, H, SPLIT) from shapes only.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -31,10 +36,13 @@ from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
 # Kernels may read only constexpr globals.
 SOFTPLUS_LINEAR_ABOVE = tl.constexpr(ops.SOFTPLUS_LINEAR_ABOVE)
 L2NORM_EPS = tl.constexpr(1e-6)  # ops.l2norm's default
-# State rows per block, run by BV * K / 16 threads: at 16 state elements per thread the compiler keeps the block
-# in its coalesced load layout (at 32 it reshuffles it through shared memory), and plain decode at K = 128 needs
-# 64-73 registers (ptxas, sm_90), i.e. 3-4 programs of 8 warps per SM.
+# Schedule defaults (benchmarks/kernels/tune_kda_native.py, kda_decode_ab_3d85fdf.json): state rows per block;
+# warps at 16 state elements per thread (at that density the compiler keeps a block in its coalesced load
+# layout); a head's rows split over up to MAX_SPLIT programs while the batch has fewer (request, head)
+# programs than the GPU has SMs: at batch 1 that is 1.3x faster, at 8 x 32 heads a split is 1.3x slower.
 BLOCK_V = 32
+ELEMENTS_PER_THREAD = 16
+MAX_SPLIT = 4
 
 
 @triton.jit
@@ -69,31 +77,37 @@ def _store_conv_state(cs_ptr, stride_c, stride_w, ch, window, save, W: tl.conste
 def _fused_kda_decode_kernel(
     qkv_ptr, gate_ptr, beta_ptr, ogate_ptr, out_ptr,
     conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-    conv_state_ptr, ssm_ptr, qsl_ptr, idx_ptr, nacc_ptr,
+    conv_state_ptr, ssm_ptr, qsl_ptr, idx_ptr, nacc_ptr, arrivals_ptr,
     stride_qkv, stride_gate, stride_beta, stride_ogate, stride_out, stride_cw,
     stride_cs_slot, stride_cs_c, stride_cs_w, stride_ssm_slot, stride_idx,
     norm_eps, lower_bound, q_scale,
-    P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, MAX_T: tl.constexpr,
-    BV: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr, PREFETCH: tl.constexpr,
+    H: tl.constexpr, P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, MAX_T: tl.constexpr,
+    SPLIT: tl.constexpr, BV: tl.constexpr, PREFETCH: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)  # which K / SPLIT state rows of the head this program owns
     start = tl.load(qsl_ptr + r).to(tl.int64)
     length = tl.load(qsl_ptr + r + 1) - start
     if SPEC:  # checkpoint columns: start from the last accepted token's state
         src = tl.load(idx_ptr + r * stride_idx + tl.load(nacc_ptr + r) - 1).to(tl.int64)
     else:
         src = tl.load(idx_ptr + r).to(tl.int64)
-    if (length <= 0) | (src < 0):  # padding row or padding slot
+    if (length <= 0) | (src < 0):  # padding row or padding slot: no program of it counts an arrival
         return
     act = qkv_ptr.dtype.element_ty
-    src_conv = conv_state_ptr + src * stride_cs_slot
     offs = tl.arange(0, K)
+    NB: tl.constexpr = K // SPLIT // BV  # blocks of BV rows per program
+    first_row = part * (K // SPLIT)
+    state_base = ssm_ptr + src * stride_ssm_slot + h * K * K
+    block = tl.arange(0, BV)
+    if PREFETCH and SPLIT > 1:  # a split program has few blocks: the first one's load goes out right away
+        S_next = tl.load(state_base + (first_row + block)[:, None] * K + offs[None, :])
+
+    src_conv = conv_state_ptr + src * stride_cs_slot
     jw = tl.arange(0, BW)[None, :]
     ch = h * K + offs  # this head's channels within q, k, gate and output
-
-    # Per-token head vectors, computed once for all V-blocks. Tokens past the row's end (t >= length) run on
-    # masked zeros and store nothing.
+    # Per-token head vectors. Tokens past the row's end (t >= length) run on masked zeros and store nothing.
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
     w_q = tl.load(conv_w_ptr + ch[:, None] * stride_cw + jw, mask=jw < W, other=0.0).to(tl.float32)
@@ -129,25 +143,17 @@ def _fused_kda_decode_kernel(
         wins_k += (win_k,)
         dsts += (dst,)
         saves += (save,)
-    # States go back in place, possibly stored by other threads of this program than the ones that loaded
-    # them (the compiler picks each op's thread mapping): a barrier puts every load before every store.
-    tl.debug_barrier()
-    for t in tl.static_range(MAX_T):
-        dst_conv = conv_state_ptr + dsts[t] * stride_cs_slot
-        _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, ch, wins_q[t], saves[t], W, BW)
-        _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, P + ch, wins_k[t], saves[t], W, BW)
+    if SPLIT == 1:  # the only reader of the head's q/k conv state is done with it: write it back now
+        tl.debug_barrier()
+        for t in tl.static_range(MAX_T):
+            dst_conv = conv_state_ptr + dsts[t] * stride_cs_slot
+            _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, ch, wins_q[t], saves[t], W, BW)
+            _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, P + ch, wins_k[t], saves[t], W, BW)
+        if PREFETCH:  # with the next block's load issued a block ahead from here on
+            S_next = tl.load(state_base + (first_row + block)[:, None] * K + offs[None, :])
 
-    # The recurrence, BV rows of the state at a time: rows are independent given the head vectors above, so
-    # registers hold a [BV, K] block and several programs fit on an SM.
-    # With PREFETCH the next block's state load is issued before this block's math, so every program keeps
-    # two blocks of loads in flight: decode is latency-bound on those loads, not on the arithmetic.
-    NB: tl.constexpr = K // BV
-    block = tl.arange(0, BV)
-    state_base = ssm_ptr + src * stride_ssm_slot + h * K * K
-    if PREFETCH:
-        S_next = tl.load(state_base + block[:, None] * K + offs[None, :])
     for b in tl.static_range(NB):
-        rows = b * BV + block
+        rows = first_row + b * BV + block
         state_offs = h * K * K + rows[:, None] * K + offs[None, :]  # K contiguous
         if PREFETCH:
             S = S_next.to(tl.float32)
@@ -161,7 +167,7 @@ def _fused_kda_decode_kernel(
         for t in tl.static_range(MAX_T):
             wins_v += (_conv_window(qkv_ptr, stride_qkv, start, length, t, src_conv, stride_cs_c, stride_cs_w,
                                     ch_v, W, BW),)
-        tl.debug_barrier()  # this block's v conv state is stored in place below
+        tl.debug_barrier()  # this block's v conv state and state rows are stored in place below
         for t in tl.static_range(MAX_T):
             tok = start + t
             v = _conv_silu(wins_v[t], w_v, act)
@@ -170,22 +176,55 @@ def _fused_kda_decode_kernel(
             S = S + c[:, None] * ks[t][None, :]
             o = tl.sum(S * qs[t][None, :], axis=1)
             # The gated RMSNorm needs all V rows: park o in `out` (rounded to the activation dtype, as the
-            # reference normalises it) until every block is done.
+            # reference normalises it) for the epilogue.
             tl.store(out_ptr + tok * stride_out + h * K + rows, o.to(out_ptr.dtype.element_ty), mask=t < length)
             tl.store(ssm_ptr + dsts[t] * stride_ssm_slot + state_offs, S.to(ssm_ptr.dtype.element_ty),
                      mask=saves[t])
             _store_conv_state(conv_state_ptr + dsts[t] * stride_cs_slot, stride_cs_c, stride_cs_w, ch_v,
                               wins_v[t], saves[t], W, BW)
 
-    tl.debug_barrier()  # every thread sees every block's parked o
-    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-    for t in tl.static_range(MAX_T):
-        tok = start + t
-        valid = t < length
-        o = tl.load(out_ptr + tok * stride_out + ch, mask=valid, other=0.0).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o) / K + norm_eps) * norm_w
-        o = o * tl.sigmoid(tl.load(ogate_ptr + tok * stride_ogate + ch, mask=valid, other=0.0).to(tl.float32))
-        tl.store(out_ptr + tok * stride_out + ch, o.to(out_ptr.dtype.element_ty), mask=valid)
+    # The epilogue (gated RMSNorm; with SPLIT > 1 the q/k conv state too) runs once per head, after every part
+    # of it: the barrier puts all of this program's stores first; with SPLIT > 1 the last part to bump the
+    # arrival counter runs it (the bump releases this program's stores, the last one's acquires the others').
+    tl.debug_barrier()
+    last = True
+    if SPLIT > 1:
+        counter = arrivals_ptr + r * H + h
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+    if last:
+        if SPLIT > 1:
+            tl.debug_barrier()
+            for t in tl.static_range(MAX_T):
+                dst_conv = conv_state_ptr + dsts[t] * stride_cs_slot
+                _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, ch, wins_q[t], saves[t], W, BW)
+                _store_conv_state(dst_conv, stride_cs_c, stride_cs_w, P + ch, wins_k[t], saves[t], W, BW)
+        norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+        for t in tl.static_range(MAX_T):
+            tok = start + t
+            valid = t < length
+            y = tl.load(out_ptr + tok * stride_out + ch, mask=valid, other=0.0).to(tl.float32)
+            y = y * tl.rsqrt(tl.sum(y * y) / K + norm_eps) * norm_w
+            y = y * tl.sigmoid(tl.load(ogate_ptr + tok * stride_ogate + ch, mask=valid, other=0.0).to(tl.float32))
+            tl.store(out_ptr + tok * stride_out + ch, y.to(out_ptr.dtype.element_ty), mask=valid)
+        if SPLIT > 1:
+            tl.store(arrivals_ptr + r * H + h, 0)  # the next launch is stream-ordered after this one
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_MIN_ARRIVALS = 1 << 16  # 256 KiB: 512 requests x 128 heads without ever growing
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters of a device, at least n of them. They are shared by every layer and
+    launch (each launch leaves them zero) and grow only outside graph capture: a captured launch must keep
+    the buffer it was captured with."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"KDA decode needs {n} arrival counters but has {0 if have is None else have.numel()}"
+                               "; run the batch eagerly once before capturing it")
+        _ARRIVALS[device] = have = torch.zeros(max(n, _MIN_ARRIVALS), dtype=torch.int32, device=device)
+    return have
 
 
 def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
@@ -194,8 +233,8 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
                      conv_state: torch.Tensor, ssm_state: torch.Tensor, query_start_loc: torch.Tensor,
                      state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor | None = None, *,
                      num_heads: int, head_dim: int, max_query_len: int, out: torch.Tensor | None = None,
-                     block_v: int = BLOCK_V, prefetch: bool | None = None, num_warps: int | None = None
-                     ) -> torch.Tensor:
+                     split: int | None = None, block_v: int = BLOCK_V, prefetch: bool | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
     """KDA over decode rows of 1..max_query_len tokens; returns the gated-normalised output [T, H*K].
 
     mixed_qkv [T, 3P] (pre-conv), raw_gate [T, P], raw_beta [T, H], output_gate [T, P], conv_weight [3P, W],
@@ -204,8 +243,9 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     state_indices [N] gives each request's slot; [N, C] gives checkpoint columns: the state is read from column
     num_accepted_tokens[r] - 1 and the state after token t written to column t. Rows with no tokens or a
     negative slot are skipped, and their output rows left as they are (uninitialised when `out` is None);
-    `out`, if given, is [T, P] in the activation dtype. block_v, prefetch and num_warps are tuning knobs
-    (benchmarks/kernels/tune_kda_native.py); the defaults are the ones measured best on the H200.
+    `out`, if given, is [T, P] in the activation dtype. split (programs per head), block_v (state rows per
+    block), prefetch and num_warps are tuning knobs (benchmarks/kernels/tune_kda_native.py); the defaults are the ones
+    measured best on the H200.
     """
     H, K = num_heads, head_dim
     P, W = H * K, conv_weight.shape[-1]
@@ -224,24 +264,35 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     if N == 0 or T == 0:
         return out
     BV = min(K, block_v)
+    if split is None:
+        split, num_sms = 1, _num_sms(mixed_qkv.device)
+        while split < MAX_SPLIT and K // (2 * split) >= BV and N * H * split < num_sms:
+            split *= 2
+    assert K % (split * BV) == 0, f"{K} state rows do not split into {split} programs of {BV}-row blocks"
     if prefetch is None:
-        # Measured on the H200 at batch 64 (benchmarks/results/gpu/kda_native_tuning.json): prefetching the next
-        # block helps bf16 state (3%) and costs fp32 state (16%), whose blocks already fill the memory pipes.
-        prefetch = ssm_state.dtype == torch.bfloat16
-    _fused_kda_decode_kernel[(N, H)](
+        # Measured at batch 64 (kda_native_tuning_7a97685.json): prefetching the next block costs 12-18% with
+        # either state dtype; a split program's first block goes out early instead.
+        prefetch = split > 1
+    _fused_kda_decode_kernel[(N, H, split)](
         mixed_qkv, raw_gate, raw_beta, output_gate, out,
         conv_weight, A_log, dt_bias, norm_weight,
         conv_state, ssm_state, query_start_loc, state_indices,
         num_accepted_tokens if spec else state_indices,
+        arrival_counters(mixed_qkv.device, N * H) if split > 1 else state_indices,
         mixed_qkv.stride(0), raw_gate.stride(0), raw_beta.stride(0), output_gate.stride(0), out.stride(0),
         conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), state_indices.stride(0),
         norm_eps, 0.0 if lower_bound is None else lower_bound, K ** -0.5,
-        P=P, K=K, W=W, BW=triton.next_power_of_2(W), MAX_T=max_query_len, BV=BV,
-        BOUNDED=lower_bound is not None, SPEC=spec, PREFETCH=prefetch and K > BV,
-        num_warps=num_warps or max(1, BV * K // (32 * 16)),  # 16 state elements per thread: see BLOCK_V
+        H=H, P=P, K=K, W=W, BW=triton.next_power_of_2(W), MAX_T=max_query_len, SPLIT=split, BV=BV, PREFETCH=prefetch,
+        BOUNDED=lower_bound is not None, SPEC=spec,
+        num_warps=num_warps or max(1, BV * K // (32 * ELEMENTS_PER_THREAD)),
     )
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 class NativeKDABackend(KDABackend):
