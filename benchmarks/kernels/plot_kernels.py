@@ -29,7 +29,10 @@ def _pct_bw(r: dict) -> float:
 def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
     res = data["results"]
-    if "kda_decode" in path.name:
+    if "kda_decode_ab" in path.name:  # ab_kda_decode.py: an earlier kernel against this tree's
+        panels = _panels(res, ("state_dtype", "heads"), "batch", lambda r: r["us"]["median"], series_key="kernel")
+        xlabel, ylabel, logx = "batch (requests)", "us per layer step (median)", True
+    elif "kda_decode" in path.name:
         panels = _panels(res, ("state_dtype", "heads"), "batch", _pct_bw)
         xlabel, ylabel, logx = "batch (requests)", f"% of {data['pct_basis_gbps']:.0f} GB/s copy BW (state r+w)", True
     elif "fused_moe" in path.name:
