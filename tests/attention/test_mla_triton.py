@@ -175,7 +175,8 @@ def test_builder_and_supports_contract():
 
 def test_auto_num_splits():
     """Many splits for one long decode row, one for a big batch or a long prompt chunk; capped by the split
-    length, the split count and the partials' bytes (an L2-sized budget, or a share of the cache bytes)."""
+    length, the split count and the partials' bytes (an L2-sized budget, or a share of the step's roofline
+    bytes: cache reads, or FLOPs over the ridge point when the rows make the step compute-bound)."""
     n_sms, L, row = 132, 512, 1152
 
     def splits(num_reqs, rows, block_m, seq):
@@ -186,6 +187,10 @@ def test_auto_num_splits():
     assert splits(1, 16, 16, 100) == 1
     assert splits(128, 64, 64, 8192) == 1  # 128 programs already fill the 132 SMs
     assert splits(32, 64, 64, 8192) == 4  # 32 want 4 splits; their partials are 14% of the cache reads
+    # 8-token rows at 64 heads are compute-bound: their 16 MiB of partials per split are weighed against the
+    # step's FLOPs (against its cache bytes alone, one split would fit and leave 64 programs on 132 SMs).
+    assert max(kernels.PARTIAL_BUDGET_BYTES, kernels.PARTIAL_SHARE * 8 * 8192 * row) // (8 * 512 * L * 8) == 1
+    assert splits(8, 512, 64, 8192) == 2
     assert splits(1, 2048, 64, 2048) == kernels.PARTIAL_BUDGET_BYTES // (2048 * L * 8)  # 16 tokens x 128 heads
     # 4-token rows at 128 heads: 512 rows x 8 KiB of partial traffic per request and split. At 8K positions
     # the budget allows a few splits for 2 requests; at 64 requests none.

@@ -164,12 +164,14 @@ def tile_config(dtype: torch.dtype, rows: int, block_l: int) -> TileConfig:
 
 # Split-KV sizing (flash-decoding): enough programs to give every SM PROGRAMS_PER_SM, each split at least
 # MIN_SPLIT_LEN positions. Every split writes fp32 partials of rows x L per request that the merge reads back:
-# they may take PARTIAL_BUDGET_BYTES (they stay in L2) or PARTIAL_SHARE of the cache bytes the step reads.
+# they may take PARTIAL_BUDGET_BYTES (they stay in L2) or PARTIAL_SHARE of the step's roofline time, counted
+# in bytes: the cache bytes it reads, or for many rows (compute-bound) its dots' FLOPs over RIDGE_FLOP_PER_BYTE.
 PROGRAMS_PER_SM = 1
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 128
 PARTIAL_BUDGET_BYTES = 24 << 20
-PARTIAL_SHARE = 0.15
+PARTIAL_SHARE = 0.25
+RIDGE_FLOP_PER_BYTE = 184  # H200: 790 TFLOP/s bf16 measured over 4.3 TB/s copy (../shared/docs/kernels.md)
 
 
 def auto_num_splits(num_reqs: int, rows_per_req: int, block_m: int, latent_dim: int, max_seq_len: int,
@@ -177,7 +179,9 @@ def auto_num_splits(num_reqs: int, rows_per_req: int, block_m: int, latent_dim: 
     """Splits of the context for a step of num_reqs requests of rows_per_req query rows each."""
     programs = num_reqs * -(-rows_per_req // block_m)
     partial_bytes = 2 * num_reqs * rows_per_req * latent_dim * 4  # per split: written, then read
-    budget = max(PARTIAL_BUDGET_BYTES, PARTIAL_SHARE * num_reqs * max_seq_len * cache_row_bytes)
+    flops_per_position = 2 * rows_per_req * 2 * latent_dim  # scores and output, both over the latent width
+    step_bytes = num_reqs * max_seq_len * max(cache_row_bytes, flops_per_position / RIDGE_FLOP_PER_BYTE)
+    budget = max(PARTIAL_BUDGET_BYTES, PARTIAL_SHARE * step_bytes)
     want = min(num_sms * PROGRAMS_PER_SM // programs, -(-max_seq_len // MIN_SPLIT_LEN), MAX_SPLITS,
                int(budget // partial_bytes))
     return max(1, want)
