@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.attention.kda.native import BLOCK_V, programs_per_head
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT
 from vllm.worker.warmup import eager_warmup_steps
 
@@ -38,6 +39,13 @@ def test_steps_cross_each_kernel_choice():
     assert any(max(prompts(s), default=0) > RECURRENT and not all(s.prefilling) for s in steps)
     assert any(max(prompts(s), default=0) > RECURRENT and max(s.context_lens) > 0 for s in steps)
     assert any(not any(s.prefilling) for s in steps), "an eager decode step"
+    # Native KDA decode splits a head over 4, 2 or 1 programs by decode rows x heads against the SM count:
+    # whatever the head count, the eager decode steps meet every split a batch of 1..32 rows gets.
+    sizes = {len(s.query_lens) for s in steps if not any(s.prefilling)}
+    for heads in (1, 12, 16, 32, 96, 200):
+        def split(n):
+            return programs_per_head(n, heads, 128, BLOCK_V, 132)
+        assert {split(n) for n in range(1, 33)} == {split(n) for n in sizes}
 
 
 def _caches(llm):

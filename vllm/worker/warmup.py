@@ -10,7 +10,9 @@ variant stalled every stream for 0.3-1.3 s (`CompileWatch`'s log on the H200). T
   split (prompt chunks present, or a short context) or several (then the merge);
 - the triton KDA backend: fla's recurrent kernel for steps of chunks up to `recurrent_chunk` tokens, chunk_kda
   past it; the conv's two tile heights;
-- the fused MoE's tile buckets, by routed pairs per expert (decode-sized, mid, prompt-sized).
+- the fused MoE's tile buckets, by routed pairs per expert (decode-sized, mid, prompt-sized);
+- the native KDA decode's programs per head (1, 2 or 4, from decode rows x heads against the SM count): the
+  eager decode steps of 1, 2, 4, .. rows cross each threshold, as the graphs' captures do for graph batches.
 The steps below cross each of these once; integer arguments that change every step are not specialised by
 the kernels (`do_not_specialize`), so a token count never makes a variant. CompileWatch names any compile
 that still happens after start-up.
@@ -47,7 +49,11 @@ def eager_warmup_steps(max_num_seqs: int, max_num_batched_tokens: int, max_model
     rows.append(decode + [(long_chunk, 0, True)])  # chunk_kda beside decode rows
     cached = max_model_len // 2  # a continued prompt: chunk_kda from a state, MLA over a context
     rows.append([(min(max_num_batched_tokens, max_model_len - cached), cached, True)])
-    rows.append(decode)  # eager decode (no graphs, or a batch past the largest)
+    n = 1
+    while n < num_decode:  # eager decode (no graphs, or a batch past the largest), at each KDA split
+        rows.append(decode[:n])
+        n *= 2
+    rows.append(decode)
     steps: list[WarmupStep] = []
     for step_rows in rows:
         step = WarmupStep(*(tuple(column) for column in zip(*step_rows))) if step_rows else None

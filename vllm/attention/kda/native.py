@@ -265,9 +265,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         return out
     BV = min(K, block_v)
     if split is None:
-        split, num_sms = 1, _num_sms(mixed_qkv.device)
-        while split < MAX_SPLIT and K // (2 * split) >= BV and N * H * split < num_sms:
-            split *= 2
+        split = programs_per_head(N, H, K, BV, _num_sms(mixed_qkv.device))
     assert K % (split * BV) == 0, f"{K} state rows do not split into {split} programs of {BV}-row blocks"
     if prefetch is None:
         # Measured at batch 64 (kda_native_tuning_7a97685.json): prefetching the next block costs 12-18% with
@@ -288,6 +286,15 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         num_warps=num_warps or max(1, BV * K // (32 * ELEMENTS_PER_THREAD)),
     )
     return out
+
+
+def programs_per_head(num_rows: int, num_heads: int, head_dim: int, block_v: int, num_sms: int) -> int:
+    """The default split: doubled (up to MAX_SPLIT, while each part keeps a whole block) for as long as the
+    (request, head) programs of the batch leave SMs without one."""
+    split = 1
+    while split < MAX_SPLIT and head_dim // (2 * split) >= block_v and num_rows * num_heads * split < num_sms:
+        split *= 2
+    return split
 
 
 @functools.lru_cache(maxsize=None)
