@@ -1,9 +1,12 @@
 """Small helpers shared across layers (no imports from the rest of the package)."""
 from __future__ import annotations
 
+import functools
 import gc
 
 import torch
+
+_DEFAULT_NUM_SMS = 132  # H100/H200, for tiles and grids sized where no GPU is visible (the interpreter)
 
 
 def async_tensor_h2d(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -36,3 +39,11 @@ def freeze_gc_heap() -> None:
     never collected."""
     gc.collect()
     gc.freeze()
+
+
+@functools.lru_cache
+def num_sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (an H100/H200's 132 off CUDA), for kernels that size grids by it."""
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

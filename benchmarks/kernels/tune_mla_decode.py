@@ -27,6 +27,7 @@ from timing import bandwidth_report, time_graph  # noqa: E402
 
 from vllm.attention.mla import triton_mla_kernels as kernels  # noqa: E402
 from vllm.attention.mla.triton_mla import TritonMLABackend  # noqa: E402
+from vllm.utils import num_sms  # noqa: E402
 
 # ../shared/docs/kernels.md: bf16 dense matmul rate measured on this H200.
 BF16_TFLOPS = 790.0
@@ -78,7 +79,7 @@ def main() -> None:
         timed = {}
         for tile in TILES:
             splits = kernels.auto_num_splits(B, qlen * H, tile.block_m, L, seq, (L + R) * kv_cache.element_size(),
-                                             kernels._num_sms(q.device))
+                                             num_sms(q.device))
             timed[tile] = run("tile", functools.partial(attention, tile=tile), tile=tile_list(tile), splits=splits,
                               default=tile == default_tile)
         best = min(timed, key=timed.get)

@@ -23,8 +23,6 @@ little arithmetic per byte. The kernel is shaped around moving those bytes once 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +30,7 @@ import triton.language as tl
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
 from vllm.attention.kda import ops
 from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.utils import num_sms
 
 # Kernels may read only constexpr globals.
 SOFTPLUS_LINEAR_ABOVE = tl.constexpr(ops.SOFTPLUS_LINEAR_ABOVE)
@@ -265,7 +264,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         return out
     BV = min(K, block_v)
     if split is None:
-        split = programs_per_head(N, H, K, BV, _num_sms(mixed_qkv.device))
+        split = programs_per_head(N, H, K, BV, num_sms(mixed_qkv.device))
     assert K % (split * BV) == 0, f"{K} state rows do not split into {split} programs of {BV}-row blocks"
     if prefetch is None:
         # Measured at batch 64 (kda_native_tuning_7a97685.json): prefetching the next block costs 12-18% with
@@ -295,11 +294,6 @@ def programs_per_head(num_rows: int, num_heads: int, head_dim: int, block_v: int
     while split < MAX_SPLIT and head_dim // (2 * split) >= block_v and num_rows * num_heads * split < num_sms:
         split *= 2
     return split
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 class NativeKDABackend(KDABackend):

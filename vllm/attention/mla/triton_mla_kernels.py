@@ -9,13 +9,14 @@ Scores run in base 2 (exp2/log2), with the softmax scale folded into log2(e).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm.utils import num_sms
 
 
 @triton.jit
@@ -187,11 +188,6 @@ def auto_num_splits(num_reqs: int, rows_per_req: int, block_m: int, latent_dim: 
     return max(1, want)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def write_latent(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache[slot] = latent[i] for each token i with slot_mapping[i] >= 0 (flat row = block*bs + offset)."""
     if slot_mapping.shape[0] == 0:
@@ -228,7 +224,7 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if num_splits is None:
         num_splits = 1 if skip_reqs is not None else auto_num_splits(
             num_reqs, max_query_len * H, tile.block_m, L, max_seq_len, kv_cache.shape[-1] * kv_cache.element_size(),
-            _num_sms(q_lat.device))
+            num_sms(q_lat.device))
     final = num_splits == 1  # a single split is already normalised: write it straight out, skip the merge
     if final:
         part, lse = out.unsqueeze(0), out.new_empty(0, 0, dtype=torch.float32)  # lse is not written

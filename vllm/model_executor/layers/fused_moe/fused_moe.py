@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.utils import num_sms
+
 try:
     from vllm.model_executor.layers.fused_moe import kernels
     _IMPORT_ERROR = None
@@ -24,8 +26,7 @@ except ImportError as e:  # fused_moe_unsupported() reports it; CPU installs rou
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN_CHUNK = 1024
-_DEFAULT_NUM_SMS = 132  # H100/H200, for tiles picked where no GPU is visible (the interpreter)
-_DEFAULT_SMEM_BYTES = 232_448  # H100/H200's shared memory per block (opt-in), likewise
+_DEFAULT_SMEM_BYTES = 232_448  # H100/H200's shared memory per block (opt-in), where no GPU is visible
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +112,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-@functools.lru_cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache
