@@ -26,8 +26,44 @@ def _pct_bw(r: dict) -> float:
     return r["pct_copy_bw"]  # of the file's pct_basis_gbps (timing.bandwidth_report)
 
 
+# Tuning sweeps (tune_*.py): one panel per shape, one bar per schedule tried.
+_SWEEP_SHAPE_KEYS = ("heads", "batch", "query_len", "context", "state_dtype")
+_SWEEP_MEASURES = ("us", "pct_copy_bw", "pct_roofline", "floor_us", "pct_reference_copy_bw", "default")
+
+
+def plot_sweep(path: Path) -> Path:
+    data = json.loads(path.read_text())
+    panels = defaultdict(list)
+    for r in data["results"]:
+        shape = tuple(f"{k}={r[k]}" for k in _SWEEP_SHAPE_KEYS if k in r)
+        label = " ".join(f"{k}={v}" for k, v in r.items() if k not in _SWEEP_SHAPE_KEYS + _SWEEP_MEASURES)
+        panels[shape].append((label + (" (default)" if r.get("default") else ""), r["us"]["median"]))
+    keys = sorted(panels)
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    height = max(len(v) for v in panels.values()) * 0.22 + 1
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, height * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        labels, us = zip(*panels[key])
+        best = min(us)
+        ax.barh(range(len(us)), us, color=["tab:green" if u == best else "tab:blue" for u in us])
+        ax.set_yticks(range(len(us)), labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_title(", ".join(key), fontsize=8)
+        ax.set_xlabel("us (median)", fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(f"{path.stem} on {data['meta']['device_name']} ({data['meta']['git_commit'][:10]})")
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=80)
+    return out
+
+
 def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
+    if "tuning" in path.name:
+        return plot_sweep(path)
     res = data["results"]
     if "kda_decode_ab" in path.name:  # ab_kda_decode.py: an earlier kernel against this tree's
         panels = _panels(res, ("state_dtype", "heads"), "batch", lambda r: r["us"]["median"], series_key="kernel")
