@@ -237,7 +237,7 @@ def test_tuning_knobs_give_the_same_results(device, split, block_v, prefetch, nu
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_arrival_counters_are_zero_after_every_launch(device):
-    """The last block of each (request, head) resets its counter, so a graph replay starts from zeros again;
+    """The last part of each (request, head) to arrive resets its counter, so a graph replay starts from zeros;
     rows that are skipped never count."""
     H, K = shapes(device)
     case = make_case([2, 0, 1], 8, H, K, torch.float32, torch.float32, device, seed=8)
