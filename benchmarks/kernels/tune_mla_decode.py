@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,7 +75,7 @@ def main() -> None:
 
         attention = functools.partial(kernels.latent_attention, q_lat, q_rope, kv_cache, meta.query_start_loc,
                                       meta.seq_lens, meta.block_table, B, qlen, seq, scale)
-        default_tile = kernels.tile_config(kv_cache.dtype, qlen * H, triton_next_pow2(L))
+        default_tile = kernels.tile_config(kv_cache.dtype, qlen * H, triton.next_power_of_2(L))
         timed = {}
         for tile in TILES:
             splits = kernels.auto_num_splits(B, qlen * H, tile.block_m, L, seq, (L + R) * kv_cache.element_size(),
@@ -96,10 +96,6 @@ def main() -> None:
 
 def tile_list(tile: kernels.TileConfig) -> list[int]:
     return [tile.block_m, tile.block_n, tile.num_warps, tile.num_stages]
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << math.ceil(math.log2(n))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from vllm.attention.backend import AttentionCGSupport, CommonAttentionMetadata, 
 from vllm.attention.mla.torch_ref import TorchMLABackend
 from vllm.attention.mla import triton_mla_kernels as kernels
 from vllm.attention.mla.triton_mla import TritonMLABackend
-from vllm.attention.mla.triton_mla_kernels import auto_num_splits
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                        reason="CPU tensors need the Triton interpreter")),
@@ -180,7 +179,7 @@ def test_auto_num_splits():
     n_sms, L, row = 132, 512, 1152
 
     def splits(num_reqs, rows, block_m, seq):
-        return auto_num_splits(num_reqs, rows, block_m, L, seq, row, n_sms)
+        return kernels.auto_num_splits(num_reqs, rows, block_m, L, seq, row, n_sms)
 
     assert splits(1, 16, 16, 8192) == 8192 // kernels.MIN_SPLIT_LEN
     assert splits(1, 16, 16, 1 << 20) == kernels.MAX_SPLITS

@@ -145,17 +145,16 @@ class TileConfig:
 def tile_config(dtype: torch.dtype, rows: int, block_l: int) -> TileConfig:
     """The tile for `rows` = max_query_len * H query rows per request.
 
-    Checked with ptxas for sm_90a and sm_80 at L=512, R=64, bf16/fp16: 8 warps hold the [BLOCK_M, 512] fp32
-    accumulator without spills, the paged loads pipeline into cp.async, and BLOCK_M=64 runs on wgmma. All
-    heads of a decode token share one tile; a request with more rows than BLOCK_M has several row blocks,
+    All heads of a decode token share one tile; a request with more rows than BLOCK_M has several row blocks,
     which run side by side so the cache tiles they share come from L2.
     """
     if block_l < 256:  # small latent widths (tests): small tiles, several per context
         return TileConfig(min(64, max(16, triton.next_power_of_2(rows))), 16, 4, 2)
     if dtype == torch.float32:  # ieee fp32 dots run on the FMA units; wider tiles spill
         return TileConfig(16, 16, 8, 2)
-    # Measured on the H200 (benchmarks/results/gpu/mla_decode_tuning_*.json): the best of 12 tiles at 16 heads
-    # x 1 token (16 rows), and at 64..128 rows.
+    # Measured on the H200 (benchmarks/results/gpu/mla_decode_tuning_*.json): the best of 12 tiles at 16 rows
+    # (16 heads x 1 token) and at 64..256 rows (at 1024 rows, 128 heads x 8 tokens, the 32-row tile was 15%
+    # faster); no swept shape had 17..32 rows, which take that 32-row tile.
     if rows > 32:
         return TileConfig(64, 64, 8, 2)
     if rows > 16:
