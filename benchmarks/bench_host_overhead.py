@@ -43,7 +43,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from bench_common import metadata, set_threads, stats, write_json
 
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import DEFAULT_MODEL_DIR, TINY_TOKENIZER_DIR
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.engine.serial_utils import pack_outputs
@@ -144,7 +144,7 @@ def plot(results: list[dict], meta: dict, png: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model dir (default: built-in tiny K3)")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model dir (default: the built-in K3)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-running", default="1,4,16,64,128,256", help="comma-separated request counts")
@@ -176,7 +176,7 @@ def main() -> None:
     if max_model_len > load_config(model).max_position_embeddings:  # a tiny K3 that takes such contexts
         model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench_host_")), "k3",
                                  max_position_embeddings=max_model_len)
-    engine_args = EngineArgs(model=model, tokenizer=str(DEFAULT_MODEL_DIR), device=args.device, dtype=args.dtype,
+    engine_args = EngineArgs(model=model, tokenizer=str(TINY_TOKENIZER_DIR), device=args.device, dtype=args.dtype,
                              max_num_seqs=max(counts),
                              max_num_batched_tokens=8192, max_model_len=max_model_len,
                              kv_cache_memory_bytes=kv_bytes, enforce_eager=args.enforce_eager)

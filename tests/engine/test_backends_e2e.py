@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.attention.selector import backend_reason
 from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
 
@@ -33,7 +33,7 @@ def _prompts(lengths, seed=0):
 
 
 def _run(model_dir, dtype, backends, batch, params, **kwargs):
-    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), device="cuda", dtype=dtype, max_model_len=512,
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), device="cuda", dtype=dtype, max_model_len=512,
               gpu_memory_utilization=0.1, **backends, **kwargs)
     outs = llm.generate(batch, params, use_tqdm=False)
     llm.llm_engine.kv_cache_manager.assert_all_free()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 import vllm.engine.detokenizer as detokenizer_module
 from vllm.engine.detokenizer import IncrementalDetokenizer
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -18,7 +18,7 @@ SPECIAL_IDS = [0, 1, 2, 3, 4]
 
 @pytest.fixture(scope="module")
 def tok():
-    return get_tokenizer(DEFAULT_MODEL_DIR)
+    return get_tokenizer(TINY_TOKENIZER_DIR)
 
 
 @pytest.fixture(autouse=True, params=["byte_table", "window"])

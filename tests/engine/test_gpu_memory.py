@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.tools.make_tiny_model import write_tiny_model
 
 
@@ -16,7 +16,7 @@ def test_peak_memory_within_gpu_memory_utilization(tmp_path, utilization):
     path = write_tiny_model(tmp_path / "m", "k3", max_position_embeddings=1 << 20)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(model=path, tokenizer=str(DEFAULT_MODEL_DIR), device="cuda", gpu_memory_utilization=utilization,
+    llm = LLM(model=path, tokenizer=str(TINY_TOKENIZER_DIR), device="cuda", gpu_memory_utilization=utilization,
               max_num_batched_tokens=4096)
     layout = llm.llm_engine.runner.layout
     llm.generate([{"prompt_token_ids": [5 + i % 200 for i in range(3000)]}] * 4, SamplingParams(max_tokens=8),

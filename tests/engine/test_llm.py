@@ -12,7 +12,7 @@ import torch
 from hf_oracle import BASE, perturbed_hf_model, save_for_us
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import DEFAULT_MODEL_DIR, TINY_TOKENIZER_DIR
 from vllm.tools.make_tiny_model import TOKENIZER_FILES
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -57,7 +57,7 @@ def test_greedy_equals_transformers_generate(make_llm, tmp_path, device):
                             seed=3)
     path = save_for_us(hf, tmp_path / "kl")
     for f in TOKENIZER_FILES:
-        shutil.copy(DEFAULT_MODEL_DIR / f, tmp_path / "kl" / f)
+        shutil.copy(TINY_TOKENIZER_DIR / f, tmp_path / "kl" / f)
     batch = prompts([3, 17, 40, 65], seed=1)
     got = token_ids(make_llm(model=path, device=device).generate(batch, GREEDY, use_tqdm=False))
     for p, out in zip(batch, got):
@@ -157,7 +157,7 @@ def test_min_tokens_holds_back_eos(make_llm):
     ({"prompt_token_ids": list(range(5, 250))}, SamplingParams(max_tokens=20), "exceeds --max-model-len (256)"),
     ("", GREEDY, "empty"),
     ({"prompt_token_ids": []}, GREEDY, "empty"),
-    ({"prompt_token_ids": [5, 512, -1]}, GREEDY, "outside the vocabulary [0, 512)"),
+    ({"prompt_token_ids": [5, 4096, -1]}, GREEDY, "outside the vocabulary [0, 4096)"),
 ])
 def test_bad_requests_raise_and_engine_keeps_working(make_llm, prompt, params, fragment):
     llm = make_llm()
@@ -264,8 +264,8 @@ def test_wrong_typed_sampling_params_name_the_field(kwargs, fragment):
 def test_bad_values_against_the_model_are_refused_before_a_step(make_llm):
     llm = make_llm(model=str(DEFAULT_MODEL_DIR))
     good = prompts([7])
-    with pytest.raises(ValueError, match=re.escape("stop_token_ids hold ids outside the vocabulary [0, 512): [600]")):
-        llm.generate(good, SamplingParams(stop_token_ids=[600], min_tokens=2, max_tokens=4))
+    with pytest.raises(ValueError, match=re.escape("stop_token_ids hold ids outside the vocabulary [0, 4096): [5000]")):
+        llm.generate(good, SamplingParams(stop_token_ids=[5000], min_tokens=2, max_tokens=4))
     with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams.*SamplingParams\(\*\*your_dict\)"):
         llm.generate(good, {"temperature": 0.0})
     # Upstream clamps top_k to the vocabulary: a huge one keeps every token, the caller's object is unchanged.
@@ -299,7 +299,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_start(tmp_path):
     from vllm.tools.make_tiny_model import write_tiny_model
     model = write_tiny_model(tmp_path / "m", "kimi_linear", vocab_size=256)
     with pytest.raises(ValueError, match="has 512 tokens but the model's vocab_size is 256"):
-        LLM(model=model, tokenizer=str(DEFAULT_MODEL_DIR))
+        LLM(model=model, tokenizer=str(TINY_TOKENIZER_DIR))
 
 
 def test_a_corrupt_tokenizer_names_its_files(tmp_path):

@@ -84,6 +84,28 @@ def test_ngram_speculation_is_lossless(device, K):
     finish(llm)
 
 
+CODE_PROMPTS = ["import os\n\n\ndef ", "class Stack:\n    def __init__(self):\n", "def fibonacci(n):\n",
+                "# Copyright", "    def __repr__(self):\n        return ", "from test import support\n"]
+
+
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_ngram_drafts_are_accepted_on_the_trained_model_and_stay_lossless(K):
+    # The built-in model is trained: its greedy code repeats itself, so ngram drafts are accepted, and every
+    # acceptance count from 0 to K occurs (the accepted-draft paths run, not only the all-rejected one).
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    want = make_llm("cpu").generate(CODE_PROMPTS, params, use_tqdm=False)
+    llm = make_llm("cpu", K)
+    got = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    drafts = sum(o.metrics.spec_num_drafts for o in got)
+    per_pos = [sum(col) for col in zip(*(o.metrics.spec_num_accepted_tokens_per_pos for o in got))]
+    assert len(per_pos) == K and per_pos[0] > 0, per_pos
+    # Verifies that accepted at least j drafts and stopped there, for j = 0..K: each kind occurs.
+    stopped_at = [drafts - per_pos[0]] + [per_pos[j - 1] - (per_pos[j] if j < K else 0) for j in range(1, K + 1)]
+    assert all(n > 0 for n in stopped_at), (drafts, per_pos)
+    finish(llm)
+
+
 def _scripted_run(device, K, batch, params, graphs=False, **kwargs):
     want = make_llm(device, enforce_eager=True, **kwargs).generate(batch, params, use_tqdm=False)
     graph_config = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 8, 16, 32]}

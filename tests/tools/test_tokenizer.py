@@ -9,7 +9,8 @@ from vllm.tools import train_tokenizer as tt
 
 ASSETS = Path(tt.__file__).resolve().parents[1] / "assets"
 CORPUS = ASSETS / "corpus.txt"
-SHIPPED = ASSETS / "default_model"
+SHIPPED = ASSETS / "tiny_tokenizer"
+DEFAULT_MODEL = ASSETS / "default_model"  # its tokenizer: 4096 tokens trained on the stdlib corpus
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CHATML = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -22,9 +23,9 @@ def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(params=["trained", "shipped"])
+@pytest.fixture(params=["trained", "shipped", "default_model"])
 def hf_tok(request: pytest.FixtureRequest, trained_dir: Path) -> PreTrainedTokenizerFast:
-    path = trained_dir if request.param == "trained" else SHIPPED
+    path = {"trained": trained_dir, "shipped": SHIPPED, "default_model": DEFAULT_MODEL}[request.param]
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -19,7 +19,7 @@ import torch
 from graph_standin import ReplayByRerun
 
 from vllm import LLM
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.attention import selector
 from vllm.config import CompilationConfig
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT
@@ -100,7 +100,7 @@ def test_capture_dummies_touch_no_request_state(model_dirs, monkeypatch, mla, de
     monkeypatch.setattr(model_runner, "CUDAGraphRunner", ReplayByRerun)
     seen = {}
     _fill_then_capture(monkeypatch, seen)
-    llm = LLM(model=model_dirs(decode == "flashinfer", mla == "FLASHINFER_MLA"), tokenizer=str(DEFAULT_MODEL_DIR),
+    llm = LLM(model=model_dirs(decode == "flashinfer", mla == "FLASHINFER_MLA"), tokenizer=str(TINY_TOKENIZER_DIR),
               dtype="bfloat16", max_model_len=64, block_size=32,
               max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=48 << 20,
               attention_backend=mla, kda_prefill_backend="torch", kda_decode_backend=decode,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 
 
 class RightDrafts:
@@ -40,7 +40,7 @@ def uneven_trim(calls: list):
 
 
 def _llm(model_dir, backends, **kwargs) -> LLM:
-    return LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+    return LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
                max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=True, **backends, **kwargs)
 
 

@@ -14,12 +14,12 @@ import torch
 from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.worker.cudagraph import CUDAGraphMode
 
 
 def _generate(model_dir, batch, params, reference=None, **kwargs):
-    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
               max_num_batched_tokens=32, max_num_seqs=4, **kwargs)
     if reference is not None:  # drafts right and wrong by design, so verify rows of 0..K drafts replay
         K = llm.llm_engine.num_spec
@@ -66,7 +66,7 @@ def test_a_failed_capture_names_the_backends_and_the_way_out(graph_backends, mod
     # model_runner.CUDAGraphRunner is the fixture's stand-in here.
     monkeypatch.setattr(model_runner.CUDAGraphRunner, "capture", refuse)
     with pytest.raises(RuntimeError, match=r"KDA decode native.*--enforce-eager"):
-        LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+        LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4]},
             **graph_backends)
 
@@ -83,7 +83,7 @@ def test_a_short_prompt_on_a_recycled_slot_runs_eagerly(graph_backends, model_di
     spec = {"method": "ngram", "num_speculative_tokens": K} if K else None
 
     def run(**kwargs):
-        llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+        llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
                   max_num_batched_tokens=32, max_num_seqs=4, speculative_config=spec, **graph_backends, **kwargs)
         engine, kv = llm.llm_engine, llm.llm_engine.kv_cache_manager
         tokens, slots = {}, {}

@@ -9,7 +9,7 @@ import torch
 from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.attention.backend import AttentionCGSupport
 from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
 from vllm.worker.cudagraph import CUDAGraphMode, resolve_mode
@@ -25,7 +25,7 @@ def plain_k3_dir(tmp_path_factory):
 
 
 def _generate(model_dir, batch, params, monkeypatch=None, reference=None, **kwargs):
-    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=128,
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
               max_num_batched_tokens=24, max_num_seqs=4, **kwargs)
     if reference is not None:  # drafts right and wrong by design: verify rows of 0..K accepted drafts
         K = llm.llm_engine.num_spec
@@ -91,7 +91,7 @@ def test_piecewise_mixed_steps_with_verify_rows_equal_eager(graph_backends, plai
 
 
 def test_attn_res_falls_back_from_piecewise(graph_backends, model_dir):
-    llm = LLM(model=model_dir, tokenizer=str(DEFAULT_MODEL_DIR), dtype="float32", max_model_len=64,
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=64,
               max_num_batched_tokens=24, max_num_seqs=2, **graph_backends,
               compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [2]})
     runner = llm.llm_engine.runner

@@ -1,13 +1,16 @@
-"""Train the byte-level BPE tokenizer of the built-in tiny default model.
+"""Train a byte-level BPE tokenizer: the built-in model's, and the tiny one the tests' random models use.
 
-The tokenizer is trained on ``vllm/assets/corpus.txt`` so that the package
-ships a model and tokenizer with no third-party weights or downloads. The
-output directory loads with ``transformers.AutoTokenizer.from_pretrained``.
+The built-in model's tokenizer is trained on the standard-library corpus (``vllm.tools.prepare_corpus``,
+a .jsonl of files); the tests' 512-token tokenizer on ``vllm/assets/corpus.txt``. Either way the package
+ships its tokenizers with no third-party files or downloads. The output directory loads with
+``transformers.AutoTokenizer.from_pretrained``.
 
 Usage::
 
+    python -m vllm.tools.train_tokenizer --corpus .train/corpus/train.jsonl \
+        --vocab-size 4096 --out vllm/assets/default_model
     python -m vllm.tools.train_tokenizer --corpus vllm/assets/corpus.txt \
-        --vocab-size 512 --out vllm/assets/default_model
+        --vocab-size 512 --out vllm/assets/tiny_tokenizer
 """
 
 import argparse
@@ -30,8 +33,17 @@ CHAT_TEMPLATE = (
 )
 
 
+def corpus_texts(corpus_path: str | Path) -> list[str]:
+    """The training texts: one per line of a .jsonl corpus ({"text": ...}), else the whole UTF-8 file."""
+    path = Path(corpus_path)
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
+    return [path.read_text(encoding="utf-8")]
+
+
 def train_tokenizer(corpus_path: str | Path, vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on one UTF-8 text file."""
+    """Train a byte-level BPE tokenizer on a UTF-8 text file or a .jsonl corpus."""
     # Byte-level BPE needs no unk token: every byte is in the base alphabet,
     # so any string round-trips through encode/decode.
     tok = Tokenizer(models.BPE())
@@ -44,11 +56,10 @@ def train_tokenizer(corpus_path: str | Path, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # One sequence keeps newline runs ("\n\n") intact for the pre-tokenizer.
+    # Whole files as sequences keep newline runs ("\n\n") intact for the pre-tokenizer.
     # Training is deterministic: ids come from the sorted alphabet and merge
     # ties are broken by pair id, not by hash-map order.
-    text = Path(corpus_path).read_text(encoding="utf-8")
-    tok.train_from_iterator([text], trainer=trainer)
+    tok.train_from_iterator(corpus_texts(corpus_path), trainer=trainer)
     # Same templates transformers builds from add_bos_token=True, so the raw
     # tokenizer and AutoTokenizer encode identically.
     bos_id = tok.token_to_id(BOS)

@@ -8,7 +8,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.llm import LLM
 from vllm.sampling_params import SamplingParams
 
-DEFAULT_PROMPTS = ["The capital of France is", "Q: What is two plus two?\nA:", "Once upon a time"]
+# The built-in model was trained on Python's standard library, so its default prompts are code.
+DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):\n"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

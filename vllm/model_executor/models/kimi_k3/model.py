@@ -13,7 +13,7 @@ from torch import nn
 
 from vllm.attention.backend import HybridAttentionMetadata, HybridBackends
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix
+from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix, attn_res_stack
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.kda import KimiDeltaAttention
 from vllm.model_executor.models.kimi_k3.mla import KimiMLAAttention
@@ -132,26 +132,12 @@ class KimiK3Model(nn.Module):
         return h + layer.ffn(x)
 
     def _forward_attn_res(self, emb: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
-        """Block AttnRes: P is the running partial-block sum; snapshots[b] holds the stream at block b's start
-        (snapshots[0] is the embedding). Layer l opens a new block when l % block_size == 0."""
-        B, eps = self.config.attn_res_block_size, self.config.rms_norm_eps
-        partial, snapshots, delta = emb, [], None
-        for idx, layer in enumerate(self.layers):
-            opens_block = idx % B == 0
-            if delta is not None:
-                partial = partial + delta
-            if opens_block:
-                snapshots.append(partial)
-            n_attn = len(snapshots) - 1 if opens_block else len(snapshots)
-            x = attn_res_mix(snapshots[:n_attn] + [partial], layer.self_attention_res_norm.weight,
-                             layer.self_attention_res_proj.weight, eps)
-            a = layer.mixer(layer.input_layernorm(x), attn_metadata)
-            partial = a if opens_block else partial + a
-            x = attn_res_mix(snapshots + [partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
-            delta = layer.ffn(layer.post_attention_layernorm(x))
-        partial = partial + delta
-        return attn_res_mix(snapshots + [partial], self.output_attn_res_norm.weight,
-                            self.output_attn_res_proj.weight, eps)
+        eps = self.config.rms_norm_eps
+        sources = attn_res_stack(
+            self.layers, emb, self.config.attn_res_block_size,
+            attention=lambda layer, x: layer.mixer(layer.input_layernorm(x), attn_metadata),
+            feed_forward=lambda layer, x: layer.ffn(layer.post_attention_layernorm(x)))
+        return attn_res_mix(sources, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, eps)
 
 
 class KimiK3ForCausalLM(nn.Module):
