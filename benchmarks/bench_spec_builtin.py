@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> None:
             drafts = sum(o.metrics.spec_num_drafts for o in outs)
             accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
             ids = [o.outputs[0].token_ids for o in outs]
+            summary = stats(times)
+            median = summary["median"]
             if K is None:
-                plain = (ids, stats(times)["median"])
-            median = stats(times)["median"]
-            rows.append({"concurrency": c, "num_spec": K, "output_tokens": tokens, "time_s": stats(times),
+                plain = (ids, median)
+            rows.append({"concurrency": c, "num_spec": K, "output_tokens": tokens, "time_s": summary,
                          "tok_per_s": tokens / median, "speedup_vs_no_spec": plain[1] / median,
                          "mean_acceptance_length": (1 + accepted / drafts) if drafts else None,
                          "identical_to_no_spec": ids == plain[0]})

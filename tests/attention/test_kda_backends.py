@@ -20,9 +20,12 @@ from vllm.attention.selector import backend_reason, load_backend
 W, K = 4, 128
 DECODE = ["native", "triton", "flashinfer"]
 PREFILL = ["triton", "flashkda", "flashinfer"]
-# Bounds on relative error norms. fla's chunk_kda multiplies in TF32 even for fp32 inputs.
-BOUND = {(torch.float32, torch.float32): 2e-3, (torch.float32, torch.bfloat16): 1e-2,
+# Bounds on relative error norms. In fp32 the recurrent kernels (native, fla's fused_recurrent_kda) keep fp32
+# arithmetic: measured 1.7e-7 in the output and up to 9e-6 in the state (summation order over 128-wide dots,
+# 2026-11-29_kda_backends_gpu_tests). fla's chunk_kda multiplies in TF32 even for fp32 inputs: up to 9e-4.
+BOUND = {(torch.float32, torch.float32): 2e-5, (torch.float32, torch.bfloat16): 1e-2,
          (torch.bfloat16, torch.float32): 2e-2, (torch.bfloat16, torch.bfloat16): 3e-2}
+TF32_CHUNK_BOUND = 2e-3
 
 
 def _backend(flag: str, name: str, dtype: torch.dtype, H: int, bounded: bool, state_dtype: torch.dtype):
@@ -77,8 +80,10 @@ def test_prefill_backend_matches_reference(name, path, rows, act_dtype, state_dt
     prefill = _backend("--kda-prefill-backend", name, act_dtype, H, lower_bound is not None, state_dtype)
     layer, pools, gen = _case(H, act_dtype, state_dtype, lower_bound, seed=2)
     inputs = random_inputs(layer, sum(r.num_tokens for r in rows), act_dtype, "cuda", gen)
-    compare_to_reference(KDAAttention(prefill, TorchKDABackend), layer, inputs, pools, rows, "cuda",
-                         BOUND[act_dtype, state_dtype])
+    bound = BOUND[act_dtype, state_dtype]
+    if path == "chunked":
+        bound = max(bound, TF32_CHUNK_BOUND)
+    compare_to_reference(KDAAttention(prefill, TorchKDABackend), layer, inputs, pools, rows, "cuda", bound)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from code_prompts import CODE_PROMPTS
 from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
@@ -82,10 +83,6 @@ def test_ngram_speculation_is_lossless(device, K):
     tags = [t for step in steps for t, _ in step]
     assert any(t > 0 for t in tags) and -1 in tags, "the run must verify drafts and prefill"
     finish(llm)
-
-
-CODE_PROMPTS = ["import os\n\n\ndef ", "class Stack:\n    def __init__(self):\n", "def fibonacci(n):\n",
-                "# Copyright", "    def __repr__(self):\n        return ", "from test import support\n"]
 
 
 @pytest.mark.parametrize("K", [1, 3, 7])

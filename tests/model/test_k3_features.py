@@ -1,15 +1,14 @@
 """The K3-only model features, each checked against a reference written from kimi_k3_model.md (shared docs).
 
-The references below are plain torch (float64) transcriptions of the formulas in sections 2-5; they use no
-helper of the model code. Model modules appear only as black boxes (their weights and their outputs).
+The references (k3_reference.py) are plain torch (float64) transcriptions of the formulas in sections 2-5; they
+use no helper of the model code. Model modules appear only as black boxes (their weights and their outputs).
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
+from k3_reference import (lin, ref_attn_res, ref_dense_mlp, ref_gate, ref_kda_layer, ref_latent_moe, ref_mla_layer,
+                          ref_route, rms, situ)
 
 from vllm.attention.kda.ops import kda_gate
 from vllm.model_executor.layers.activation import situ_and_mul
@@ -79,54 +78,6 @@ def run_capturing(model, modules: dict, num_tokens: int, seed: int):
     return logits.double(), records, tokens
 
 
-# ---- float64 reference formulas ----------------------------------------------------------------------
-def lin(x, module):
-    return x @ module.weight.double().t()
-
-
-def rms(x, weight, eps):
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
-
-
-def situ(g, u):
-    """SiTU-GLU (§5): 4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)."""
-    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * (25 * torch.tanh(u / 25))
-
-
-def ref_gate(f, A_log, dt_bias, K, lower_bound):
-    """§3 gate: s = f + dt_bias; bounded g = lb sigmoid(a_h s), else g = -a_h softplus(s) (linear above 20)."""
-    s = (f.double() + dt_bias.double()).unflatten(-1, (-1, K))
-    a = A_log.double().exp()[:, None]
-    if lower_bound is None:
-        return -a * torch.where(s > 20, s, torch.log1p(torch.exp(s)))
-    return lower_bound * torch.sigmoid(a * s)
-
-
-def ref_kda_layer(attn, x, cfg):
-    """§3 KDA layer for one sequence from a fresh state (zero conv history, S = 0)."""
-    T, H, K = x.shape[0], attn.num_heads, attn.head_dim
-    qkv = torch.cat([lin(x, attn.q_proj), lin(x, attn.k_proj), lin(x, attn.v_proj)], dim=-1)  # [T, 3P]
-    w = torch.cat([attn.q_conv1d.weight, attn.k_conv1d.weight, attn.v_conv1d.weight]).double()  # [3P, W]
-    W = w.shape[1]
-    padded = F.pad(qkv, (0, 0, W - 1, 0))  # u_t = silu(sum_j w[:, j] x_{t-W+1+j})
-    u = F.silu(sum(w[:, j] * padded[j:j + T] for j in range(W)))
-    q, k, v = u.unflatten(-1, (3, H, K)).unbind(1)
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K ** -0.5
-    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    g = ref_gate(lin(lin(x, attn.f_a_proj), attn.f_b_proj), attn.A_log, attn.dt_bias, K, cfg.gate_lower_bound)
-    beta = torch.sigmoid(lin(x, attn.b_proj))
-    S = torch.zeros(H, K, K, dtype=torch.float64)  # [H, V, K]
-    o = []
-    for t in range(T):
-        S = S * g[t].exp()[:, None, :]
-        c = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
-        S = S + c[:, :, None] * k[t][:, None, :]
-        o.append(torch.einsum("hvk,hk->hv", S, q[t]))
-    z = lin(x, attn.g_proj) if cfg.use_full_rank_gate else lin(lin(x, attn.g_a_proj), attn.g_b_proj)
-    y = rms(torch.stack(o), attn.o_norm.weight, cfg.rms_norm_eps) * torch.sigmoid(z.unflatten(-1, (H, K)))
-    return lin(y.flatten(-2), attn.o_proj)
-
-
 def assert_close(actual, expected, rtol=1e-5):
     """Relative agreement, scaled by the reference's magnitude."""
     torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
@@ -185,32 +136,14 @@ def test_mla_output_gate(k3):
     cfg, idx = k3.config, 3
     attn = k3.model.layers[idx].self_attn
     assert not k3.model.layers[idx].is_kda and cfg.mla_latent_norm_eps is None
-    eps, H = cfg.rms_norm_eps, cfg.num_attention_heads
-    nope, rope, vd, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    H, vd = cfg.num_attention_heads, cfg.v_head_dim
     assert attn.g_proj.weight.shape == (H * vd, cfg.hidden_size)
     _, rec, _ = run_capturing(k3, {"attn": attn}, num_tokens=12, seed=4)
     x, out = rec["attn"]
-    T = x.shape[0]
-    q = lin(rms(lin(x, attn.q_a_proj), attn.q_a_layernorm.weight, eps), attn.q_b_proj).view(T, H, nope + rope)
-    c_kv, k_r = lin(x, attn.kv_a_proj_with_mqa).split([L, rope], dim=-1)
-    k_n, v = lin(rms(c_kv, attn.kv_a_layernorm.weight, eps), attn.kv_b_proj).view(T, H, nope + vd).split(
-        [nope, vd], dim=-1)
-    scores = (torch.einsum("thn,shn->hts", q[..., :nope], k_n)
-              + torch.einsum("thr,sr->hts", q[..., nope:], k_r)) / math.sqrt(nope + rope)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    o = torch.einsum("hts,shv->thv", p, v) * torch.sigmoid(lin(x, attn.g_proj)).view(T, H, vd)
-    assert_close(out, lin(o.flatten(-2), attn.o_proj))
+    assert_close(out, ref_mla_layer(attn, x, cfg))
 
 
 # ---- 4. Block AttnRes ---------------------------------------------------------------------------------
-def ref_attn_res(P, R, n, norm_w, proj_w, eps):
-    """§2 AttnRes mixture over sources R[0..n-1], P: softmax of (w_n*w_q).x/rms(x), sum of unnormalised x."""
-    X = torch.stack(R[:n] + [P])  # [n+1, T, D]
-    logits = (X / torch.sqrt(X.pow(2).mean(-1, keepdim=True) + eps)) @ (norm_w.double() * proj_w.double().view(-1))
-    return (logits.softmax(0)[..., None] * X).sum(0)
-
-
 @pytest.mark.parametrize("name", ["k3", "k3_b4"])
 def test_block_attn_res(name, request):
     """§2 residual stream: the mixer/MLP inputs and the logits follow from the recorded sublayer outputs."""
@@ -258,21 +191,10 @@ def test_latent_moe(k3):
     with torch.inference_mode():
         y = moe(x)
 
-    s32 = torch.sigmoid(x @ moe.gate.weight.float().t())  # routing scores in fp32
-    ids = (s32 + moe.gate.e_score_correction_bias.float()).topk(k, dim=-1).indices
-    assert (ids.sort(-1).values != s32.topk(k, dim=-1).indices.sort(-1).values).any(), "bias never matters"
-    xd = x.double()
-    weights = torch.sigmoid(lin(xd, moe.gate)).gather(1, ids)
-    weights = weights / weights.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-    u = lin(xd, moe.routed_expert_down_proj)
-    y_lat = torch.zeros(x.shape[0], R, dtype=torch.float64)
-    for e, ex in enumerate(moe.experts):
-        w_e = (weights * (ids == e)).sum(-1, keepdim=True)  # 0 for tokens not routed to e
-        y_lat += w_e * lin(situ(lin(u, ex.w1), lin(u, ex.w3)), ex.w2)
-    sh = moe.shared_experts
-    shared = lin(situ(lin(xd, sh.gate_proj), lin(xd, sh.up_proj)), sh.down_proj)
-    ref = lin(rms(y_lat, moe.routed_expert_norm.weight, cfg.rms_norm_eps), moe.routed_expert_up_proj) + shared
-    assert_close(y, ref)
+    ids, _ = ref_route(moe, x.double(), cfg)
+    unbiased = torch.sigmoid(x @ moe.gate.weight.float().t()).topk(k, dim=-1).indices
+    assert (ids.sort(-1).values != unbiased.sort(-1).values).any(), "bias never matters"
+    assert_close(y, ref_latent_moe(moe, x.double(), cfg))
 
 
 # ---- 6. SiTU ------------------------------------------------------------------------------------------
@@ -297,10 +219,9 @@ def test_dense_mlp_uses_situ(k3):
     x = 4 * torch.randn(16, cfg.hidden_size)  # large enough that both tanh caps bend
     with torch.inference_mode():
         y = mlp(x)
-    xd = x.double()
-    gate, up = lin(xd, mlp.gate_proj), lin(xd, mlp.up_proj)
+    gate, up = lin(x.double(), mlp.gate_proj), lin(x.double(), mlp.up_proj)
     assert gate.abs().max() > 8 and up.abs().max() > 8
-    assert_close(y, lin(situ(gate, up), mlp.down_proj))
+    assert_close(y, ref_dense_mlp(mlp, x.double()))
 
 
 # ---- Kimi-Linear defaults -----------------------------------------------------------------------------

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from code_prompts import CODE_PROMPTS
 from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
-from vllm.assets import TINY_TOKENIZER_DIR
+from vllm.assets import DEFAULT_MODEL_DIR, TINY_TOKENIZER_DIR
+from vllm.attention.kda import native
 from vllm.worker.cudagraph import CUDAGraphMode
 
 
-def _generate(model_dir, batch, params, reference=None, **kwargs):
-    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
+def _generate(model_dir, batch, params, reference=None, tokenizer=str(TINY_TOKENIZER_DIR), **kwargs):
+    llm = LLM(model=model_dir, tokenizer=tokenizer, dtype="float32", max_model_len=128,
               max_num_batched_tokens=32, max_num_seqs=4, **kwargs)
     if reference is not None:  # drafts right and wrong by design, so verify rows of 0..K drafts replay
         K = llm.llm_engine.num_spec
@@ -54,6 +56,34 @@ def test_graph_replay_equals_eager(graph_backends, model_dir, K):
     assert any(d.num_reqs > 3 for d in replayed), "three requests on 4-request graphs: padding rows replayed"
     if K:
         assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0, "verify rows kept drafts in graphs"
+
+
+@pytest.mark.parametrize("K", [0, 3])
+def test_graph_replay_equals_eager_on_the_trained_model(graph_backends, K, monkeypatch):
+    """The built-in model's peaked logits on code, with the real ngram proposer: its drafts are accepted, so
+    verify rows that keep 1..K drafts replay, and a replay that read one stale value would change the code.
+    The interpreter runs the decode kernel at about 1 s per layer and request: the CPU runs a short case."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        if K == 0:
+            pytest.skip("on the CPU the verify case (K=3) covers the one-token decode rows too")
+        # One program per (request, head): the interpreter runs programs one after another, and split heads
+        # are covered at tiny shapes above.
+        monkeypatch.setattr(native, "num_sms", lambda device: 1)
+    batch = CODE_PROMPTS[:3] if on_gpu else CODE_PROMPTS[1:3]
+    params = SamplingParams(temperature=0.0, max_tokens=24 if on_gpu else 10, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": K} if K else None
+    _, eager, _ = _generate(str(DEFAULT_MODEL_DIR), batch, params, tokenizer=None, enforce_eager=True,
+                            speculative_config=spec, **graph_backends)
+    llm, graphed, replayed = _generate(str(DEFAULT_MODEL_DIR), batch, params, tokenizer=None,
+                                       speculative_config=spec, **graph_backends,
+                                       compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                           "cudagraph_capture_sizes": [4, 12]})
+    assert graphed == eager
+    assert replayed and all(d.max_query_len == 1 + K for d in replayed)
+    if K:
+        stats = llm.llm_engine.spec_decode_stats
+        assert stats.num_accepted_tokens_per_pos[K - 1] > 0, "verify rows that kept every draft replayed"
 
 
 def test_a_failed_capture_names_the_backends_and_the_way_out(graph_backends, model_dir, monkeypatch):

@@ -2,8 +2,6 @@
 speculative-decoding counters under upstream's names, consistent with each other."""
 from __future__ import annotations
 
-import random
-
 import httpx
 import pytest
 
@@ -17,22 +15,21 @@ def servers(start_server):
 
 def test_speculation_is_lossless_and_counted(servers, read_metrics):
     plain, spec = servers
-    # Every id the model can emit appears in the prompt, so one-token lookups always find a match and the
-    # proposer drafts at every step.
-    ids = list(range(3, 512))
-    random.Random(0).shuffle(ids)
-    body = {"model": "default", "prompt": [ids], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    # The built-in model is trained on Python: its greedy code repeats the prompt's and its own identifiers, so
+    # ngram drafts are proposed and some are accepted.
+    prompts = ["class Stack:\n    def __init__(self):\n", "def fibonacci(n):\n"]
+    body = {"model": "default", "prompt": prompts, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     outs = []
     for server in (plain, spec):
         models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
         r = httpx.post(server.url + "/v1/completions", json={**body, "model": models[0]["id"]}, timeout=120)
         assert r.status_code == 200, r.text
-        outs.append(r.json()["choices"][0]["text"])
+        outs.append([c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])])
     assert outs[0] == outs[1]
     m = read_metrics(spec.url)
     drafts, tokens = m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"]
     accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
     assert drafts > 0 and drafts <= tokens <= 3 * drafts
-    assert 0 <= accepted <= tokens
+    assert 0 < accepted <= tokens
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == accepted  # summed over positions
     assert "vllm:spec_decode_num_drafts_total" not in read_metrics(plain.url)
