@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm.model_executor.models.dspark.config import DSparkConfig, read_dspark_config
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 
 MLA_BACKENDS = ("auto", "TORCH_MLA", "TRITON_MLA", "FLASHINFER_MLA")
@@ -86,9 +87,11 @@ class KernelConfig:
                  f"one of {', '.join(KDA_DECODE_BACKENDS)}")
 
 
-SPEC_METHODS_BUILT = ("ngram",)
-SPEC_METHODS_PLANNED = ("dspark",)
-SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SPEC_METHODS_BUILT = ("ngram", "dspark")
+SPEC_CONFIG_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+                    "dspark": ("method", "num_speculative_tokens", "model", "draft_sample_method",
+                               "enable_adaptive_verification")}
+DRAFT_SAMPLE_METHODS = ("greedy",)
 NGRAM_DEFAULT_PROMPT_LOOKUP_MIN = 1
 NGRAM_DEFAULT_PROMPT_LOOKUP_MAX = 4
 
@@ -99,28 +102,36 @@ def _is_int(value) -> bool:
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, ...}'`.
+    """`--speculative-config '{"method": "ngram" | "dspark", "num_speculative_tokens": K, ...}'`.
 
     ngram (prompt lookup): propose up to `num_speculative_tokens` tokens that followed an earlier occurrence of the
     longest suffix n-gram with prompt_lookup_min <= n <= prompt_lookup_max. Defaults differ from upstream on purpose:
     upstream sets min = max = 5 when both are absent and copies one into the other when only one is given; here an
     absent prompt_lookup_min is 1 and an absent prompt_lookup_max is max(4, prompt_lookup_min), so short repeats
-    still draft. `dspark` is part of the flag's vocabulary but is rejected until it is built.
+    still draft.
+
+    dspark: a DSpark draft checkpoint (`model`, a directory) drafts K tokens per decoding request on the device,
+    from the target's hidden states (docs/spec_decode.md). draft_sample_method "greedy" (argmax drafts: exact under
+    the rejection sampler for greedy and random requests alike). enable_adaptive_verification is not built yet.
     """
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
+    draft_sample_method: str = "greedy"
+    enable_adaptive_verification: bool = False
+    draft_config: DSparkConfig | None = field(default=None, repr=False)  # read from `model` (dspark)
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
-        if self.method in SPEC_METHODS_PLANNED:
-            raise ValueError(f"{flag} method={self.method!r} is not built yet: only "
-                             f"{', '.join(map(repr, SPEC_METHODS_BUILT))} is available")
         _require(self.method in SPEC_METHODS_BUILT, f"{flag} method", self.method,
                  f"one of {', '.join(map(repr, SPEC_METHODS_BUILT))}")
         _require(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
                  f"{flag} num_speculative_tokens", self.num_speculative_tokens, "an integer >= 1")
+        if self.method == "dspark":
+            self._check_dspark(flag)
+            return
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = NGRAM_DEFAULT_PROMPT_LOOKUP_MIN
         _require(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
@@ -130,6 +141,16 @@ class SpeculativeConfig:
         _require(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                  f"{flag} prompt_lookup_max", self.prompt_lookup_max,
                  f"an integer >= prompt_lookup_min={self.prompt_lookup_min}")
+
+    def _check_dspark(self, flag: str) -> None:
+        _require(isinstance(self.model, str) and self.model, f"{flag} model", self.model,
+                 "the directory of a DSpark draft checkpoint (method 'dspark' needs one)")
+        _require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, f"{flag} draft_sample_method",
+                 self.draft_sample_method, f"one of {', '.join(map(repr, DRAFT_SAMPLE_METHODS))}")
+        if self.enable_adaptive_verification:
+            raise ValueError(f"{flag} enable_adaptive_verification=true is not built yet: DSpark drafts a fixed "
+                             "num_speculative_tokens per request; leave it out or set it to false")
+        self.draft_config = read_dspark_config(self.model)
 
     @classmethod
     def from_json(cls, text_or_dict: str | dict) -> SpeculativeConfig:
@@ -145,10 +166,11 @@ class SpeculativeConfig:
         _require(isinstance(data, dict), flag, text_or_dict, 'a JSON object such as {"method": "ngram", '
                  '"num_speculative_tokens": 3}')
         _require("method" in data, flag, data, f"a 'method' key (one of {', '.join(map(repr, SPEC_METHODS_BUILT))})")
-        if data["method"] in SPEC_METHODS_PLANNED:  # say "not built yet" before complaining about its keys
-            cls(method=data["method"], num_speculative_tokens=1)
-        unknown = sorted(k for k in data if k not in SPEC_CONFIG_KEYS)
-        _require(not unknown, f"{flag} keys", unknown, f"only the keys {', '.join(SPEC_CONFIG_KEYS)}")
+        _require(data["method"] in SPEC_CONFIG_KEYS, f"{flag} method", data["method"],
+                 f"one of {', '.join(map(repr, SPEC_METHODS_BUILT))}")
+        keys = SPEC_CONFIG_KEYS[data["method"]]
+        unknown = sorted(k for k in data if k not in keys)
+        _require(not unknown, f"{flag} keys", unknown, f"for method {data['method']!r} only the keys {', '.join(keys)}")
         _require("num_speculative_tokens" in data, flag, data, "a 'num_speculative_tokens' key (an integer >= 1)")
         return cls(**data)
 

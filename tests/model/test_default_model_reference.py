@@ -7,7 +7,6 @@ of code prompts is the reference's greedy continuation.
 from __future__ import annotations
 
 import pytest
-import torch
 from code_prompts import CODE_PROMPTS, heldout_code_ids
 from k3_reference import ref_logits
 

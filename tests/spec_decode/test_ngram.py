@@ -183,10 +183,17 @@ def test_config_defaults():
      r"prompt_lookup_max=2 is invalid: expected an integer >= prompt_lookup_min=3"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
-     (r"keys=\['lookahead'\] is invalid: expected only the keys method, num_speculative_tokens, "
+     (r"keys=\['lookahead'\] is invalid: expected for method 'ngram' only the keys method, num_speculative_tokens, "
       r"prompt_lookup_min, prompt_lookup_max")),
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"method='eagle' is invalid: expected one of 'ngram'"),
-    ({"method": "dspark", "num_speculative_tokens": 2, "model": "x"}, "method='dspark' is not built yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method='eagle' is invalid: expected one of 'ngram', 'dspark'"),
+    ({"method": "dspark", "num_speculative_tokens": 2, "model": "/nonexistent"}, "no config.json there"),
+    ({"method": "dspark", "num_speculative_tokens": 2}, "model=None is invalid: expected the directory of a DSpark"),
+    ({"method": "dspark", "num_speculative_tokens": 2, "model": "x", "prompt_lookup_min": 1},
+     r"expected for method 'dspark' only the keys"),
+    ({"method": "dspark", "num_speculative_tokens": 2, "model": "x", "draft_sample_method": "topk"},
+     "draft_sample_method='topk' is invalid"),
+    ({"method": "dspark", "num_speculative_tokens": 2, "model": "x", "enable_adaptive_verification": True},
+     "enable_adaptive_verification=true is not built yet"),
     ({"num_speculative_tokens": 2}, "'method' key"),
     ({"method": "ngram"}, "'num_speculative_tokens' key"),
     ('{"method": "ngram", "num_speculative_tokens": 3', "is not valid JSON"),
@@ -201,5 +208,5 @@ def test_config_validation_errors(payload, match):
 def test_config_direct_construction_validates():
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=0)
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="DSpark draft checkpoint"):
         SpeculativeConfig(method="dspark", num_speculative_tokens=2)

@@ -134,9 +134,9 @@ class EngineArgs:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
         if self.async_scheduling and spec is not None:
-            raise ValueError("--async-scheduling cannot be combined with --speculative-config: the ngram proposer "
-                             "drafts from the tokens of the step before, which are still on the device when the next "
-                             "step is scheduled; drop one of the two flags")
+            raise ValueError("--async-scheduling cannot be combined with --speculative-config: drafts (ngram and "
+                             "DSpark alike) start from the tokens of the step before, which are still on the device "
+                             "when the next step is scheduled; drop one of the two flags")
         return self.async_scheduling
 
     def _device(self) -> torch.device:

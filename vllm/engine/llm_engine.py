@@ -43,8 +43,10 @@ class LLMEngine:
         self.kv_cache_manager = self.runner.initialize_cache()
         self.num_spec = config.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec)
-        self.proposer = None if config.speculative_config is None else NgramProposer.from_config(
-            config.speculative_config, config.model_config.max_model_len)
+        spec = config.speculative_config
+        # ngram drafts on the host after each step; DSpark drafts come back with the step (runner.drafter).
+        self.proposer = NgramProposer.from_config(spec, config.model_config.max_model_len) \
+            if spec is not None and spec.method == "ngram" else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -145,7 +147,7 @@ class LLMEngine:
     def _can_speculate(self, params: SamplingParams) -> bool:
         """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans or
         logprobs: requests asking for those decode one token per step."""
-        return self.proposer is not None and params.logprobs is None and params.prompt_logprobs is None \
+        return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
             and params.min_tokens == 0 and not params.has_penalties
 
     def has_unfinished_requests(self) -> bool:
@@ -204,6 +206,8 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
         if self.proposer is not None:
             self._propose()
+        elif result.drafts:
+            self._take_drafts(result.drafts)
         self._free_penalty_rows()
         return outputs
 
@@ -240,16 +244,25 @@ class LLMEngine:
         return [out for r in culprits if (out := self.output_processor.fail(r.request_id, message)) is not None]
 
     def _propose(self) -> None:
-        """ngram drafts for each decoding request, verified in the next step. A verify step emits up to
-        1 + drafts tokens, so drafts stop one short of the request's remaining max_tokens."""
+        """ngram drafts for each decoding request, verified in the next step."""
         for req in self.scheduler.running:
-            if not req.speculate or req.is_prefilling:
-                continue
-            room = req.max_tokens - len(req.output_token_ids) - 1
-            if room <= 0:
-                continue
-            drafts = self.proposer.propose(req.all_token_ids())
-            req.spec_token_ids = drafts[:room]
+            if req.speculate and not req.is_prefilling and self._draft_room(req) > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids())[:self._draft_room(req)]
+
+    def _take_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """The DSpark drafts the step proposed, for the requests still running; like ngram's, never past
+        --max-model-len."""
+        max_len = self.config.model_config.max_model_len
+        for req in self.scheduler.running:
+            tokens = drafts.get(req.request_id)
+            if tokens is not None and not req.is_prefilling:
+                room = min(self._draft_room(req), max_len - len(req.all_token_ids()))
+                req.spec_token_ids = tokens[:max(room, 0)]
+
+    @staticmethod
+    def _draft_room(req: Request) -> int:
+        """A verify step emits up to 1 + drafts tokens, so drafts stop one short of the remaining max_tokens."""
+        return req.max_tokens - len(req.output_token_ids) - 1
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:

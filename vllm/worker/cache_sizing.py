@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class CacheLayout:
     num_blocks: int
     num_state_slots: int
-    block_bytes: int  # all MLA layers, one block
+    block_bytes: int  # all MLA layers (and a DSpark draft's context caches), one block
     slot_bytes: int  # all KDA layers, one request's conv + recurrent state
     budget_bytes: int
 
@@ -32,6 +32,9 @@ def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
     act = torch.empty((), dtype=config.model_config.dtype).element_size()
     state = torch.empty((), dtype=cc.mamba_ssm_cache_dtype).element_size()
     block = len(hf.mla_layers) * cc.block_size * hf.mla_cache_dim * act
+    spec = config.speculative_config
+    if spec is not None and spec.draft_config is not None:  # DSpark's context caches share the MLA blocks
+        block += spec.draft_config.num_hidden_layers * cc.block_size * spec.draft_config.mla_cache_dim * act
     conv_h, conv_w = hf.kda_conv_state_shape()
     H, V, K = hf.kda_ssm_state_shape()
     slot = len(hf.kda_layers) * (conv_h * conv_w * act + H * V * K * state)

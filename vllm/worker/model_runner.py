@@ -21,10 +21,12 @@ from vllm.attention.selector import select_backends
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
+from vllm.model_executor.dspark_loader import load_dspark_draft
 from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from vllm.spec_decode.dspark import DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
@@ -53,6 +55,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # per request: rows for the prompt positions this step covered (first prompt token has none)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # per request the DSpark draft proposed on the device: K tokens to verify next step
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -83,6 +87,8 @@ class AsyncModelRunnerOutput:
     verify_rows: list[str] = field(default_factory=list)  # requests whose drafts were verified, in order
     verified_host: torch.Tensor | None = None  # [rows, 1 + K] accepted tokens then placeholders
     prompt_logprobs_host: dict[str, _HostLogprobs] = field(default_factory=dict)
+    draft_rows: list[str] = field(default_factory=list)  # requests the DSpark draft proposed for, in order
+    drafts_host: torch.Tensor | None = None  # [draft rows, K]
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
 
     @property
@@ -108,6 +114,8 @@ class AsyncModelRunnerOutput:
         for rid, host in self.prompt_logprobs_host.items():
             t = host.lists()
             result.prompt_logprobs[rid] = list(zip(t[0], t[1], t[2]))
+        if self.drafts_host is not None:
+            result.drafts = dict(zip(self.draft_rows, self.drafts_host.tolist()))
         return result
 
 
@@ -139,12 +147,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.num_spec = config.num_speculative_tokens
+        self.drafter = self._load_drafter()
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None
         self.dispatcher = CudaGraphDispatcher([])
         self.graphs: CUDAGraphRunner | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
+
+    def _load_drafter(self) -> DSparkProposer | None:
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "dspark":
+            return None
+        draft = load_dspark_draft(spec.model, self.hf_config, self.dtype, self.device)
+        logger.info("DSpark draft %s: %d layers over target layers %s, K=%d", spec.model,
+                    draft.config.num_hidden_layers, list(draft.config.target_layer_ids), self.num_spec)
+        return DSparkProposer(draft, self.model, self.num_spec, self.config.scheduler_config.max_num_batched_tokens)
 
     def set_device_trim_hook(self, hook: DeviceTrimHook | None) -> None:
         """Installs the adaptive-verification seam: on a step where every row verifies drafts, the hook gets
@@ -196,8 +214,10 @@ class ModelRunner:
         caches = allocate_layer_caches(self.hf_config, lay.num_blocks, self.block_size, lay.num_state_slots,
                                        self.dtype, cc.mamba_ssm_cache_dtype, self.device, self.conv_history_major)
         self.model.bind_caches(caches)
+        if self.drafter is not None:
+            self.drafter.allocate_caches(lay.num_blocks, self.block_size)
         kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
-                            needs_blocks=bool(self.hf_config.mla_layers),
+                            needs_blocks=bool(self.hf_config.mla_layers) or self.drafter is not None,
                             needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
         if descs or pieces:
             self._capture_cudagraphs(descs, pieces, graph_bytes)
@@ -393,20 +413,23 @@ class ModelRunner:
         else:
             self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)
             hidden = self.graphs.replay(desc)[:T]
+        if self.drafter is not None:
+            self.drafter.write_context(T, self.input_batch.positions.gpu, common.slot_mapping)
         result = AsyncModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
+        verified = None
         if trimmed is not None:  # the device re-cut an all-verify step: every token is a logits row
-            self._verify(out, hidden, verify_rows, torch.arange(T, device=self.device), common.query_start_loc,
-                         [n - 1 for n in trimmed], spec_sampling, result)
+            verified = self._verify(out, hidden, verify_rows, torch.arange(T, device=self.device),
+                                    common.query_start_loc, [n - 1 for n in trimmed], spec_sampling, result)
         elif verify_rows:
             drafts = [len(out.scheduled[r].draft_token_ids) for r in verify_rows]
             token_idx = np.concatenate([np.arange(ends[r] - d - 1, ends[r]) for r, d in zip(verify_rows, drafts)])
             cu = np.zeros(len(drafts) + 1, dtype=np.int32)
             np.cumsum(np.add(drafts, 1), out=cu[1:])
-            self._verify(out, hidden, verify_rows, async_tensor_h2d(token_idx, torch.int64, self.device),
-                         async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
+            verified = self._verify(out, hidden, verify_rows, async_tensor_h2d(token_idx, torch.int64, self.device),
+                                    async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
         if sample_rows:
             if len(sample_rows) == T:  # every row is one token that samples (a decode step): no gather
                 rows = hidden
@@ -422,6 +445,8 @@ class ModelRunner:
                 result.sample_rows[req.request_id] = j
                 result.sample_logprob_ks.append(req.sampling_params.logprobs)
         self._prompt_logprobs(out, hidden, ends, result)
+        if self.drafter is not None:
+            self._draft(out, common, sample_rows, result.sampled_token_ids, verify_rows, verified, result)
         if self.device.type == "cuda":
             result.done = torch.cuda.Event()
             result.done.record()
@@ -429,10 +454,10 @@ class ModelRunner:
 
     def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
                 cu_num_logits: torch.Tensor, num_draft_tokens: list[int], sampling: SamplingMetadata,
-                result: AsyncModelRunnerOutput) -> None:
-        """Rejection-sample the verify `rows`. token_idx (device) lists each row's tokens in the step (its
-        current token, then its drafts), each one a logits row; cu_num_logits (device) cuts them into rows. The
-        drafts are read from the input batch's device draft ids (placeholders still -1), so nothing is uploaded
+                result: AsyncModelRunnerOutput) -> torch.Tensor:
+        """Rejection-sample the verify `rows`; returns their tokens [rows, 1 + K] (accepted, then placeholders).
+        token_idx (device) lists each row's tokens in the step (its current token, then its drafts), each one a
+        logits row; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's device draft ids (placeholders still -1), so nothing is uploaded
         again; the host draft counts have the device total and only size the output."""
         logits = self.model.compute_logits(hidden[token_idx])
         first = torch.zeros(token_idx.shape[0], dtype=torch.bool, device=self.device)
@@ -443,6 +468,36 @@ class ModelRunner:
         tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec)
         result.verify_rows = [out.scheduled[r].request.request_id for r in rows]
         result.verified_host = async_tensor_d2h(tokens)
+        return tokens
+
+    def _draft(self, out: SchedulerOutput, common: CommonAttentionMetadata, sample_rows: list[int],
+               sampled: torch.Tensor | None, verify_rows: list[int], verified: torch.Tensor | None,
+               result: AsyncModelRunnerOutput) -> None:
+        """DSpark drafts for the requests that sampled this step and may speculate, anchored at their newest
+        token: a sampling row's token lands at num_computed + num_tokens; a verify row that emitted m tokens
+        puts its last at num_computed + m. Everything stays on the device."""
+        anchors, positions, rows = [], [], []
+        picked = [(j, r) for j, r in enumerate(sample_rows) if out.scheduled[r].request.speculate]
+        if picked:
+            anchors.append(sampled[async_tensor_h2d([j for j, _ in picked], torch.int64, self.device)])
+            positions.append(async_tensor_h2d([out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens
+                                               for _, r in picked], torch.int64, self.device))
+            rows += [r for _, r in picked]
+        if verify_rows:
+            emitted = (verified != PLACEHOLDER_TOKEN_ID).sum(1)
+            anchors.append(verified.gather(1, (emitted - 1)[:, None]).squeeze(1))
+            start = async_tensor_h2d([out.scheduled[r].num_computed_tokens for r in verify_rows], torch.int64,
+                                     self.device)
+            positions.append(start + emitted)
+            rows += verify_rows
+        if not rows:
+            return
+        max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
+        drafts, _ = self.drafter.propose(torch.cat(anchors), torch.cat(positions),
+                                         common.block_table[async_tensor_h2d(rows, torch.int64, self.device)],
+                                         max_context)
+        result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
+        result.drafts_host = async_tensor_d2h(drafts)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: AsyncModelRunnerOutput) -> None:

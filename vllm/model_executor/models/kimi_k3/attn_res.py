@@ -26,13 +26,14 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_we
 
 def attn_res_stack(layers: Sequence[nn.Module], emb: torch.Tensor, block_size: int,
                    attention: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                   feed_forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+                   feed_forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                   layer_output: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
     """Block AttnRes over a layer stack; returns the sources the output mixture reads.
 
     `attention(layer, x)` and `feed_forward(layer, x)` run a layer's two sublayers, norms included (the engine
     passes its cached forward, the trainer a differentiable one). The running partial-block sum P and snapshots
     (snapshots[b] is the stream at block b's start, snapshots[0] the embedding) follow the layers; layer l opens
-    a new block when l % block_size == 0.
+    a new block when l % block_size == 0. `layer_output(l, s)`, when given, sees the running sum s after layer l.
     """
     partial, snapshots, delta = emb, [], None
     for idx, layer in enumerate(layers):
@@ -49,4 +50,6 @@ def attn_res_stack(layers: Sequence[nn.Module], emb: torch.Tensor, block_size: i
         partial = a if opens_block else partial + a
         x = attn_res_mix(snapshots + [partial], layer.mlp_res_norm.weight, layer.mlp_res_proj.weight, eps)
         delta = feed_forward(layer, x)
+        if layer_output is not None:
+            layer_output(idx, partial + delta)
     return snapshots + [partial + delta]

@@ -92,6 +92,22 @@ class KimiK3Model(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_norm = RMSNorm(D, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        # DSpark's context: layer index -> column block of a persistent [max_tokens, n * D] buffer that each
+        # forward fills with the stream after that layer (a fixed buffer, so CUDA graphs fill it too).
+        self.captured_columns: dict[int, int] = {}
+        self.captured_hidden: torch.Tensor | None = None
+
+    def capture_hidden_states(self, layer_ids: tuple[int, ...], buffer: torch.Tensor) -> None:
+        """From now on every forward writes the residual stream after each layer in `layer_ids` (for AttnRes
+        stacks: the running block sum after the layer) into buffer[:T, j * D:(j + 1) * D], j its rank."""
+        self.captured_columns = {layer: j for j, layer in enumerate(layer_ids)}
+        self.captured_hidden = buffer
+
+    def _capture(self, layer: int, h: torch.Tensor) -> None:
+        j = self.captured_columns.get(layer)
+        if j is not None:
+            D = h.shape[-1]
+            self.captured_hidden[:h.shape[0], j * D:(j + 1) * D].copy_(h)
 
     def forward(self, input_ids: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         """Pre-norm hidden states [T, D] of the last layer (the final norm is applied in compute_logits)."""
@@ -124,19 +140,23 @@ class KimiK3Model(nn.Module):
         layer, following = self.layers[i], self.layers[i + 1]
         x, h = layer.post_attention_layernorm(layer.self_attn.output(y, x), h)
         x, h = following.input_layernorm(layer.ffn(x), h)
+        self._capture(i, h)
         return h, x, following.self_attn.project(x)
 
     def end(self, y: torch.Tensor, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         layer = self.layers[-1]
         x, h = layer.post_attention_layernorm(layer.self_attn.output(y, x), h)
-        return h + layer.ffn(x)
+        h = h + layer.ffn(x)
+        self._capture(len(self.layers) - 1, h)
+        return h
 
     def _forward_attn_res(self, emb: torch.Tensor, attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         sources = attn_res_stack(
             self.layers, emb, self.config.attn_res_block_size,
             attention=lambda layer, x: layer.mixer(layer.input_layernorm(x), attn_metadata),
-            feed_forward=lambda layer, x: layer.ffn(layer.post_attention_layernorm(x)))
+            feed_forward=lambda layer, x: layer.ffn(layer.post_attention_layernorm(x)),
+            layer_output=self._capture if self.captured_columns else None)
         return attn_res_mix(sources, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight, eps)
 
 

@@ -1,0 +1,185 @@
+"""DSpark drafts (`--speculative-config '{"method": "dspark", ...}'`), CPU: the draft model's paged context and
+its batch, the target's captured hidden states, the checkpoint's fit to the target, and the engine greedy
+lossless with DSpark at K = 1, 3, 7 over mixed batches, chunked prefill, preemption and aborts.
+
+The draft here has random weights: verification must make the output exact whatever it drafts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from code_prompts import CODE_PROMPTS
+from safetensors.torch import load_file, save_file
+
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.model_executor.checkpoint_errors import MissingTensorError, UnexpectedTensorError
+from vllm.model_executor.dspark_loader import load_dspark_draft
+from vllm.model_executor.model_loader import load_config, load_model
+from vllm.model_executor.sequence_runner import SequenceRunner
+from vllm.tools.make_dspark_draft import write_dspark_draft
+from vllm.tools.make_tiny_model import write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return write_dspark_draft(tmp_path_factory.mktemp("dspark"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft(draft_dir):
+    return load_dspark_draft(draft_dir, load_config(DEFAULT_MODEL_DIR), torch.float32, "cpu")
+
+
+def _llm(draft_dir=None, K=3, **kwargs) -> LLM:
+    spec = {"method": "dspark", "model": draft_dir, "num_speculative_tokens": K} if draft_dir else None
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(dtype="float32", speculative_config=spec, **kwargs)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- the draft model -------------------------------------------------------------------------------------------
+def _bind(draft, num_blocks=16, block_size=4):
+    cfg = draft.config
+    draft.bind_caches([torch.zeros(num_blocks, block_size, cfg.mla_cache_dim) for _ in draft.layers])
+    return block_size
+
+
+def _propose(draft, target, anchors, anchor_pos, table, max_context):
+    return draft.propose(torch.tensor(anchors), torch.tensor(anchor_pos), table, max_context, 4,
+                         target.model.embed_tokens, target.lm_head.weight)
+
+
+def test_context_is_read_through_the_block_table_and_only_below_the_anchor(draft):
+    """The same context written at two different block layouts drafts the same tokens; rows past a request's
+    anchor (a rejected draft's leftovers) and other requests' rows change nothing; two requests batched draft
+    what each drafts alone."""
+    target = load_model(DEFAULT_MODEL_DIR, "float32")
+    gen = torch.Generator().manual_seed(0)
+    n_ctx = len(draft.config.target_layer_ids) * target.config.hidden_size
+    ctx = torch.randn(10, n_ctx, generator=gen)
+    bs = _bind(draft)
+    pos = torch.arange(10)
+
+    def write(blocks, rows):
+        slots = torch.tensor(blocks)[pos // bs] * bs + pos % bs
+        draft.write_context(rows, pos, slots)
+        return torch.tensor([blocks + [0] * (6 - len(blocks))], dtype=torch.int32)
+
+    table_a = write([3, 7, 1], ctx)
+    alone, conf = _propose(draft, target, [42], [8], table_a, 10)
+    assert alone.shape == (1, 4) and conf.shape == (1, 4) and ((conf > 0) & (conf < 1)).all()
+    table_b = write([12, 2, 9], ctx)
+    assert torch.equal(_propose(draft, target, [42], [8], table_b, 10)[0], alone)
+    garbage = ctx.clone()
+    garbage[8:] = torch.randn(2, n_ctx, generator=gen) * 10
+    write([12, 2, 9], garbage)  # positions 8, 9 are past the anchor: not context
+    assert torch.equal(_propose(draft, target, [42], [8], table_b, 10)[0], alone)
+    other = torch.randn(10, n_ctx, generator=gen)
+    table_c = write([4, 5, 6], other)
+    both = _propose(draft, target, [7, 42], [10, 8], torch.cat([table_c, table_b]), 10)[0]
+    assert torch.equal(both[1], alone[0])
+    assert torch.equal(both[0], _propose(draft, target, [7], [10], table_c, 10)[0][0])
+    assert not torch.equal(_propose(draft, target, [42], [8], table_c, 10)[0], alone), "context is read"
+
+
+def test_captured_hidden_states_are_the_stream_after_each_layer(tmp_path):
+    """Plain residual stacks and AttnRes stacks: the buffer holds the stream after each chosen layer; after
+    the last layer of a plain stack that is the forward's own output."""
+    for family in ("kimi_linear", "k3"):
+        model = load_model(write_tiny_model(tmp_path / family, family), "float32")
+        L, D = model.config.num_hidden_layers, model.config.hidden_size
+        buf = torch.full((64, 2 * D), float("nan"))
+        model.model.capture_hidden_states((0, L - 1), buf)
+        tokens = list(range(5, 17))
+        SequenceRunner(model, max_model_len=64).forward_whole(tokens)
+        assert torch.isfinite(buf[:len(tokens)]).all() and torch.isnan(buf[len(tokens):]).all()
+        assert not torch.equal(buf[:12, :D], buf[:12, D:])
+        if family == "kimi_linear":  # forward returns the pre-norm stream after the last layer
+            out = {}
+            model.model.register_forward_hook(lambda m, a, o: out.__setitem__("h", o))
+            SequenceRunner(model, max_model_len=64).forward_whole(tokens)
+            torch.testing.assert_close(buf[:12, D:], out["h"], rtol=0, atol=0)
+
+
+# ---- the checkpoint against its target --------------------------------------------------------------------------
+@pytest.mark.parametrize("change,match", [
+    ({"vocab_size": 512}, r"vocab_size 512 != the target's 4096"),
+    ({"target_layer_ids": [1, 8]}, r"target_layer_ids \[1, 8\] must be a non-empty list of layer indices in \[0, 8\)"),
+    ({"hidden_size": 128}, r"hidden_size 128 != the target's 256"),
+    ({"target_layer_ids": [2, 2]}, "repeat a layer"),
+])
+def test_a_draft_that_does_not_fit_its_target_is_refused_naming_what_differs(tmp_path, draft_dir, change, match):
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    out = tmp_path / "bad"
+    write_dspark_draft(out, **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")} | change)
+    with pytest.raises(ValueError, match=match) as info:
+        _llm(str(out))
+    assert "does not fit the target model" in str(info.value)
+
+
+def test_missing_and_unexpected_draft_tensors_are_named(tmp_path, draft_dir):
+    tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+    for name, edit, error in [("missing", lambda t: t.pop("markov_head.w2.weight"), MissingTensorError),
+                              ("unexpected", lambda t: t.__setitem__("layers.9.mlp.up_proj.weight",
+                                                                     torch.zeros(2, 2)), UnexpectedTensorError)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((Path(draft_dir) / "config.json").read_text())
+        broken = dict(tensors)
+        edit(broken)
+        save_file(broken, str(d / "model.safetensors"))
+        with pytest.raises(error, match="markov_head.w2.weight" if name == "missing" else "layers.9.mlp"):
+            load_dspark_draft(d, load_config(DEFAULT_MODEL_DIR), torch.float32, "cpu")
+    shared = dict(tensors, **{"lm_head.weight": torch.zeros(4096, 256), "embed_tokens.weight": torch.zeros(1)})
+    d = tmp_path / "shared"
+    d.mkdir()
+    (d / "config.json").write_text((Path(draft_dir) / "config.json").read_text())
+    save_file(shared, str(d / "model.safetensors"))
+    load_dspark_draft(d, load_config(DEFAULT_MODEL_DIR), torch.float32, "cpu")  # the target's copies: dropped
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_dspark_greedy_is_lossless(draft_dir, K):
+    want = _ids(_llm().generate(CODE_PROMPTS, GREEDY, use_tqdm=False))
+    llm = _llm(draft_dir, K)
+    outs = llm.generate(CODE_PROMPTS, GREEDY, use_tqdm=False)
+    assert _ids(outs) == want
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
+    # Every draft is K tokens long unless the request's remaining max_tokens cut it.
+    assert stats.num_draft_tokens >= K * stats.num_drafts - len(CODE_PROMPTS) * K * (K + 1) // 2
+    assert all(o.metrics.spec_num_drafts > 0 for o in outs)
+    llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_dspark_is_lossless_under_chunking_preemption_and_aborts(draft_dir):
+    prompts = [p * n for p, n in zip(CODE_PROMPTS, (1, 6, 2, 9, 3, 1))]
+    want = _ids(_llm().generate(prompts, GREEDY, use_tqdm=False))
+    llm = _llm(draft_dir, 3, max_num_batched_tokens=16, num_gpu_blocks_override=9, max_model_len=128)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _ids(outs) == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["r1", "r4"])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert sorted(done) == ["r0", "r2", "r3", "r5"]
+    assert [done[f"r{i}"] for i in (0, 2, 3, 5)] == [want[i] for i in (0, 2, 3, 5)]
+    engine.kv_cache_manager.assert_all_free()

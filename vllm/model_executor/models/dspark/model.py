@@ -1,0 +1,185 @@
+"""The DSpark draft model (shared docs: dspark_and_adaptive.md): a block drafter over the target's hidden states.
+
+Context: the target's hidden states at `target_layer_ids`, concatenated per token, go through `context_proj` and
+`context_norm`; one fused projection (every layer's `kv_a_proj_with_mqa`, stacked) gives each draft layer's
+latent [c_kv | k_rope], which is normalised (`kv_a_layernorm`), rotated at the token's position and written to
+that layer's paged context cache. The draft layers never run over context tokens.
+
+Query block: per request the anchor (its newest token) and K-1 mask tokens at the next K positions. Each layer
+is MLA with q_lora and RoPE, attending to the request's context cache and, non-causally, to the whole block;
+then a SiLU-GLU MLP. Position i predicts the token after it: logits from the target's lm_head on the final norm,
+plus the Markov head's low-rank bias `markov_head.w2(markov_head.w1[prev_i])` (prev_0 the anchor, prev_i the
+token drafted at i-1), drafted left to right. The confidence head, sigmoid of a float32 linear map of
+[hidden_i ; markov_head.w1[prev_i]], estimates that draft i is accepted if the drafts before it were.
+
+This is the torch form (eager, any device); the batch is padded to the longest context of the step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.layers.activation import silu_and_mul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.dspark.config import DSparkConfig
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half form, over the last dim of x [..., R] at `positions` (x's leading shape
+    without its last dim, or broadcastable to it)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[..., None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DSparkAttention(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.config = config
+        self.num_heads = H
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (config.qk_nope_head_dim + config.qk_rope_head_dim),
+                                  bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, config.mla_cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (config.qk_nope_head_dim + config.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, mla_cache_dim], bound by the runner
+
+    def latent(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cached form of kv_a_proj_with_mqa's output [..., L + R]: normalised c_kv, rotated k_rope."""
+        c_kv, k_rope = kv_a.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv), rope(k_rope, positions, self.config.rope_theta)], dim=-1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                context_valid: torch.Tensor) -> torch.Tensor:
+        """x [N, K, D] block tokens at positions [N, K]; context [N, C, L + R] latents, context_valid [N, C]."""
+        cfg, H = self.config, self.num_heads
+        N, K, _ = x.shape
+        nope, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(N, K, H, nope + r)
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], positions[..., None], cfg.rope_theta)], dim=-1)
+        keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), positions)], dim=1)  # [N, C+K, L+R]
+        c_kv, k_rope = keys.split([cfg.kv_lora_rank, r], dim=-1)
+        k_nope, v = self.kv_b_proj(c_kv).view(N, -1, H, nope + vd).split([nope, vd], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
+        valid = torch.cat([context_valid, context_valid.new_ones(N, K)], dim=1)  # the block sees itself whole
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=1 / math.sqrt(nope + r))
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+
+class DSparkMLP(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DSparkAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DSparkMLP(config)
+
+
+class MarkovHead(nn.Module):
+    """The low-rank bias of the previous token on the next one's logits: w2(w1[prev])."""
+
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Embedding(config.vocab_size, config.markov_rank)
+        self.w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+
+
+class DSparkDraftModel(nn.Module):
+    def __init__(self, config: DSparkConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.context_proj = nn.Linear(len(config.target_layer_ids) * (config.target_hidden_size or D), D, bias=False)
+        self.context_norm = RMSNorm(D, eps=config.rms_norm_eps)
+        if config.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(D))
+        self.layers = nn.ModuleList(DSparkLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, eps=config.rms_norm_eps)
+        self.markov_head = MarkovHead(config)
+        if config.enable_confidence_head:
+            self.confidence_head = nn.Linear(D + config.markov_rank, 1, bias=True)
+        self.fused_kv_a_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """The context path's one projection for all layers: their kv_a_proj_with_mqa weights, stacked. The
+        confidence head stays float32 (it is trained and read as a probability)."""
+        self.fused_kv_a_weight = torch.cat([layer.self_attn.kv_a_proj_with_mqa.weight for layer in self.layers])
+        if hasattr(self, "confidence_head"):
+            self.confidence_head.float()
+
+    def bind_caches(self, caches: list[torch.Tensor]) -> None:
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Context tokens [T, n_layers * D_target] at positions [T] into every layer's cache at slot_mapping [T]
+        (flat block * block_size + offset; negative: padding, not written)."""
+        c = self.context_norm(self.context_proj(target_hidden))
+        kv_a = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        for layer, part in zip(self.layers, kv_a):
+            attn = layer.self_attn
+            cache = attn.kv_cache.view(-1, self.config.mla_cache_dim)
+            cache[slots] = attn.latent(part[keep], positions[keep]).to(cache.dtype)
+
+    def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
+                max_context: int, num_tokens: int, embed: nn.Embedding,
+                lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts [N, num_tokens] and their confidences [N, num_tokens] (None without the head).
+
+        Request n's anchor anchor_ids[n] sits at anchor_pos[n]; its context is positions [0, anchor_pos[n]) of
+        the cache rows block_table[n]. max_context (host) bounds every anchor_pos, so nothing syncs."""
+        N, K, cfg = anchor_ids.shape[0], num_tokens, self.config
+        block_size = self.layers[0].self_attn.kv_cache.shape[1]
+        ctx_pos = torch.arange(max_context, device=anchor_ids.device)
+        valid = ctx_pos[None, :] < anchor_pos[:, None]  # [N, C]
+        blocks = block_table[:, (ctx_pos // block_size).clamp(max=block_table.shape[1] - 1)]
+        slots = (blocks.long() * block_size + ctx_pos % block_size).masked_fill(~valid, 0)
+        positions = anchor_pos[:, None] + torch.arange(K, device=anchor_ids.device)  # [N, K]
+        x = embed(anchor_ids)[:, None, :].expand(N, K, -1).clone()
+        if K > 1:
+            mask = embed.weight[cfg.mask_token_id] if cfg.mask_token_id is not None else self.mask_embedding
+            x[:, 1:] = mask.to(x.dtype)
+        for layer in self.layers:
+            attn = layer.self_attn
+            context = attn.kv_cache.view(-1, cfg.mla_cache_dim)[slots].to(x.dtype)  # [N, C, L + R]
+            x = x + attn(layer.input_layernorm(x), positions, context, valid)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x)
+        base = (h @ lm_head_weight.t()).float()  # [N, K, V]
+        tokens, prev_codes = [], []
+        prev = anchor_ids
+        for i in range(K):  # left to right: position i's Markov bias depends on the token drafted at i-1
+            code = self.markov_head.w1(prev)
+            prev = (base[:, i] + self.markov_head.w2(code).float()).argmax(-1)
+            tokens.append(prev)
+            prev_codes.append(code)
+        confidence = None
+        if hasattr(self, "confidence_head"):
+            features = torch.cat([h, torch.stack(prev_codes, dim=1)], dim=-1).float()
+            confidence = torch.sigmoid(self.confidence_head(features)).squeeze(-1)
+        return torch.stack(tokens, dim=1), confidence
