@@ -1,6 +1,8 @@
-"""ngram speculation on the built-in trained model: output tokens/s with and without drafts, acceptance length.
+"""Speculation on the built-in trained model (ngram, or a DSpark draft): output tokens/s with and without drafts,
+acceptance length per position.
 
     python benchmarks/bench_spec_builtin.py --device cuda --out benchmarks/results/gpu/spec_builtin.json
+    python benchmarks/bench_spec_builtin.py --method dspark --draft vllm/assets/default_model_dspark
 
 Code prompts (the model was trained on Python's standard library), greedy, at each `--concurrency` (that many
 requests in one generate call, each prompt repeated as needed), with CUDA graphs unless --enforce-eager. Per
@@ -40,12 +42,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "dspark"])
+    ap.add_argument("--draft", help="the DSpark draft checkpoint (--method dspark)")
     ap.add_argument("--out", default="benchmarks/results/gpu/spec_builtin.json")
     args = ap.parse_args(argv)
+    extra = {"model": args.draft} if args.method == "dspark" else {}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     Ks = [None] + [int(k) for k in args.num_spec.split(",")]
     engines = {K: LLM(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-                      speculative_config=None if K is None else {"method": "ngram", "num_speculative_tokens": K})
+                      speculative_config=None if K is None else {"method": args.method, "num_speculative_tokens": K,
+                                                                                 **extra})
                for K in Ks}
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
@@ -65,9 +71,12 @@ def main(argv: list[str] | None = None) -> None:
             median = summary["median"]
             if K is None:
                 plain = (ids, median)
-            rows.append({"concurrency": c, "num_spec": K, "output_tokens": tokens, "time_s": summary,
+            rows.append({"concurrency": c, "method": args.method if K else None, "num_spec": K,
+                         "output_tokens": tokens, "time_s": summary,
                          "tok_per_s": tokens / median, "speedup_vs_no_spec": plain[1] / median,
                          "mean_acceptance_length": (1 + accepted / drafts) if drafts else None,
+                         "acceptance_rate_per_pos": [sum(col) / drafts for col in zip(
+                             *(o.metrics.spec_num_accepted_tokens_per_pos for o in outs))] if drafts else None,
                          "identical_to_no_spec": ids == plain[0]})
             print(rows[-1], flush=True)
     write_json(args.out, {"meta": metadata(args.device), "argv": sys.argv, "rows": rows})

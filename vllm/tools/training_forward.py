@@ -15,6 +15,8 @@ tests/tools/test_training_forward.py holds it to the engine's logits on the same
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -108,8 +110,10 @@ def layer_feed_forward(layer: KimiDecoderLayer, x: torch.Tensor,
 
 
 def training_logits(model: KimiK3ForCausalLM, input_ids: torch.Tensor,
-                    expert_counts: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Logits [B, T, vocab] of every position of input_ids [B, T]."""
+                    expert_counts: list[torch.Tensor] | None = None,
+                    layer_output: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Logits [B, T, vocab] of every position of input_ids [B, T]. `layer_output(l, h)`, when given, sees the
+    stream after each layer l (as KimiK3Model.capture_hidden_states records it: DSpark's context)."""
     m, cfg = model.model, model.config
     h = m.embed_tokens(input_ids)
 
@@ -117,11 +121,14 @@ def training_logits(model: KimiK3ForCausalLM, input_ids: torch.Tensor,
         return layer_feed_forward(layer, x, expert_counts)
 
     if cfg.attn_res_block_size is not None:
-        sources = attn_res_stack(m.layers, h, cfg.attn_res_block_size, attention=layer_attention, feed_forward=ffn)
+        sources = attn_res_stack(m.layers, h, cfg.attn_res_block_size, attention=layer_attention, feed_forward=ffn,
+                                 layer_output=layer_output)
         h = attn_res_mix(sources, m.output_attn_res_norm.weight, m.output_attn_res_proj.weight, cfg.rms_norm_eps)
     else:
-        for layer in m.layers:
+        for i, layer in enumerate(m.layers):
             h = h + layer_attention(layer, h)
             h = h + ffn(layer, h)
+            if layer_output is not None:
+                layer_output(i, h)
     weight = m.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
     return m.norm.forward_native(h) @ weight.t().to(h.dtype)

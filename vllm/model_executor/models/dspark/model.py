@@ -12,7 +12,9 @@ plus the Markov head's low-rank bias `markov_head.w2(markov_head.w1[prev_i])` (p
 token drafted at i-1), drafted left to right. The confidence head, sigmoid of a float32 linear map of
 [hidden_i ; markov_head.w1[prev_i]], estimates that draft i is accepted if the drafts before it were.
 
-This is the torch form (eager, any device); the batch is padded to the longest context of the step.
+This is the torch form (eager, any device); the batch is padded to the longest context of the step. Norms take
+their torch form (`forward_native`) so that the same modules train (vllm.tools.train_dspark): the fused norm
+kernel has no backward, and the draft's tensors are small.
 """
 from __future__ import annotations
 
@@ -58,23 +60,24 @@ class DSparkAttention(nn.Module):
     def latent(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The cached form of kv_a_proj_with_mqa's output [..., L + R]: normalised c_kv, rotated k_rope."""
         c_kv, k_rope = kv_a.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c_kv), rope(k_rope, positions, self.config.rope_theta)], dim=-1)
+        return torch.cat([self.kv_a_layernorm.forward_native(c_kv), rope(k_rope, positions, self.config.rope_theta)],
+                         dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
-                context_valid: torch.Tensor) -> torch.Tensor:
-        """x [N, K, D] block tokens at positions [N, K]; context [N, C, L + R] latents, context_valid [N, C]."""
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [N, Q, D] block tokens at positions [N, Q] attend to the keys [context [N, C, L + R] latents ; the
+        block's own Q] where mask [N, Q, C + Q] is true."""
         cfg, H = self.config, self.num_heads
-        N, K, _ = x.shape
+        N, Q, _ = x.shape
         nope, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(N, K, H, nope + r)
+        q = self.q_b_proj(self.q_a_layernorm.forward_native(self.q_a_proj(x))).view(N, Q, H, nope + r)
         q = torch.cat([q[..., :nope], rope(q[..., nope:], positions[..., None], cfg.rope_theta)], dim=-1)
-        keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), positions)], dim=1)  # [N, C+K, L+R]
+        keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), positions)], dim=1)  # [N, C+Q, L+R]
         c_kv, k_rope = keys.split([cfg.kv_lora_rank, r], dim=-1)
         k_nope, v = self.kv_b_proj(c_kv).view(N, -1, H, nope + vd).split([nope, vd], dim=-1)
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
-        valid = torch.cat([context_valid, context_valid.new_ones(N, K)], dim=1)  # the block sees itself whole
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=valid[:, None, None, :], scale=1 / math.sqrt(nope + r))
+                                           attn_mask=mask[:, None], scale=1 / math.sqrt(nope + r))
         return self.o_proj(o.transpose(1, 2).flatten(-2))
 
 
@@ -134,17 +137,47 @@ class DSparkDraftModel(nn.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
 
+    def context_latents(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's cached latents [..., L + R] of context tokens [..., n_layers * D_target] at positions."""
+        c = self.context_norm.forward_native(self.context_proj(target_hidden))
+        parts = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
+        return [layer.self_attn.latent(part, positions) for layer, part in zip(self.layers, parts)]
+
     def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Context tokens [T, n_layers * D_target] at positions [T] into every layer's cache at slot_mapping [T]
         (flat block * block_size + offset; negative: padding, not written)."""
-        c = self.context_norm(self.context_proj(target_hidden))
-        kv_a = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        for layer, part in zip(self.layers, kv_a):
-            attn = layer.self_attn
-            cache = attn.kv_cache.view(-1, self.config.mla_cache_dim)
-            cache[slots] = attn.latent(part[keep], positions[keep]).to(cache.dtype)
+        for layer, latent in zip(self.layers, self.context_latents(target_hidden[keep], positions[keep])):
+            cache = layer.self_attn.kv_cache.view(-1, self.config.mla_cache_dim)
+            cache[slots] = latent.to(cache.dtype)
+
+    def block_inputs(self, anchor_ids: torch.Tensor, num_tokens: int, embed: nn.Embedding) -> torch.Tensor:
+        """[..., num_tokens, D]: the anchor's embedding, then the mask token's."""
+        x = embed(anchor_ids)[..., None, :].expand(*anchor_ids.shape, num_tokens, -1).clone()
+        if num_tokens > 1:
+            cfg = self.config
+            mask = embed.weight[cfg.mask_token_id] if cfg.mask_token_id is not None else self.mask_embedding
+            x[..., 1:, :] = mask.to(x.dtype)
+        return x
+
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, contexts: list[torch.Tensor],
+                 mask: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, Q, D] of block tokens x [N, Q, D]; contexts: each layer's [N, C, L + R]
+        latents; mask [N, Q, C + Q] (see DSparkAttention.forward)."""
+        for layer, context in zip(self.layers, contexts):
+            x = x + layer.self_attn(layer.input_layernorm.forward_native(x), positions, context.to(x.dtype), mask)
+            x = x + layer.mlp(layer.post_attention_layernorm.forward_native(x))
+        return self.norm.forward_native(x)
+
+    def markov_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Float32 logits: the lm_head's `base` plus the Markov bias of the previous tokens `prev`."""
+        return base.float() + self.markov_head.w2(self.markov_head.w1(prev)).float()
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """P(draft accepted | the drafts before it were), from [h ; markov_head.w1[prev]] (float32)."""
+        features = torch.cat([h, self.markov_head.w1(prev)], dim=-1).float()
+        return torch.sigmoid(self.confidence_head(features)).squeeze(-1)
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
                 max_context: int, num_tokens: int, embed: nn.Embedding,
@@ -160,26 +193,15 @@ class DSparkDraftModel(nn.Module):
         blocks = block_table[:, (ctx_pos // block_size).clamp(max=block_table.shape[1] - 1)]
         slots = (blocks.long() * block_size + ctx_pos % block_size).masked_fill(~valid, 0)
         positions = anchor_pos[:, None] + torch.arange(K, device=anchor_ids.device)  # [N, K]
-        x = embed(anchor_ids)[:, None, :].expand(N, K, -1).clone()
-        if K > 1:
-            mask = embed.weight[cfg.mask_token_id] if cfg.mask_token_id is not None else self.mask_embedding
-            x[:, 1:] = mask.to(x.dtype)
-        for layer in self.layers:
-            attn = layer.self_attn
-            context = attn.kv_cache.view(-1, cfg.mla_cache_dim)[slots].to(x.dtype)  # [N, C, L + R]
-            x = x + attn(layer.input_layernorm(x), positions, context, valid)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.norm(x)
-        base = (h @ lm_head_weight.t()).float()  # [N, K, V]
-        tokens, prev_codes = [], []
+        contexts = [layer.self_attn.kv_cache.view(-1, cfg.mla_cache_dim)[slots] for layer in self.layers]
+        mask = torch.cat([valid[:, None, :].expand(N, K, -1), valid.new_ones(N, K, K)], dim=-1)  # block: whole
+        h = self.backbone(self.block_inputs(anchor_ids, K, embed), positions, contexts, mask)
+        base = h @ lm_head_weight.t()  # [N, K, V]
+        tokens, prevs = [], []
         prev = anchor_ids
         for i in range(K):  # left to right: position i's Markov bias depends on the token drafted at i-1
-            code = self.markov_head.w1(prev)
-            prev = (base[:, i] + self.markov_head.w2(code).float()).argmax(-1)
+            prevs.append(prev)
+            prev = self.markov_logits(base[:, i], prev).argmax(-1)
             tokens.append(prev)
-            prev_codes.append(code)
-        confidence = None
-        if hasattr(self, "confidence_head"):
-            features = torch.cat([h, torch.stack(prev_codes, dim=1)], dim=-1).float()
-            confidence = torch.sigmoid(self.confidence_head(features)).squeeze(-1)
+        confidence = self.confidence(h, torch.stack(prevs, dim=1)) if hasattr(self, "confidence_head") else None
         return torch.stack(tokens, dim=1), confidence
