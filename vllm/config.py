@@ -112,7 +112,8 @@ class SpeculativeConfig:
 
     dspark: a DSpark draft checkpoint (`model`, a directory) drafts K tokens per decoding request on the device,
     from the target's hidden states (docs/spec_decode.md). draft_sample_method "greedy" (argmax drafts: exact under
-    the rejection sampler for greedy and random requests alike). enable_adaptive_verification is not built yet.
+    the rejection sampler for greedy and random requests alike). enable_adaptive_verification: each all-verify
+    step verifies only the draft tokens worth their cost (vllm/spec_decode/adaptive.py).
     """
     method: str
     num_speculative_tokens: int
@@ -147,9 +148,8 @@ class SpeculativeConfig:
                  "the directory of a DSpark draft checkpoint (method 'dspark' needs one)")
         _require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, f"{flag} draft_sample_method",
                  self.draft_sample_method, f"one of {', '.join(map(repr, DRAFT_SAMPLE_METHODS))}")
-        if self.enable_adaptive_verification:
-            raise ValueError(f"{flag} enable_adaptive_verification=true is not built yet: DSpark drafts a fixed "
-                             "num_speculative_tokens per request; leave it out or set it to false")
+        _require(isinstance(self.enable_adaptive_verification, bool), f"{flag} enable_adaptive_verification",
+                 self.enable_adaptive_verification, "true or false")
         self.draft_config = read_dspark_config(self.model)
 
     @classmethod

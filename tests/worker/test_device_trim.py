@@ -104,3 +104,47 @@ def test_trim_on_device_recuts_every_per_token_buffer():
     assert common.slot_mapping.tolist() == [slots[i] for i in keep]
     assert common.seq_lens.tolist() == [s - (4 - n) for s, n in zip(seq_lens, device)]
     assert common.seq_lens_cpu.tolist() == seq_lens  # the host keeps the scheduled lengths as an upper bound
+
+
+def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(graph_backends, model_dir,
+                                                                              tmp_path, monkeypatch):
+    """`enable_adaptive_verification` through the real DSpark path: start-up cost tables, b* from the draft's
+    confidences, the host's even split against the device's survival split (host [3, 3] against device [4, 2]
+    or [2, 4] once the budget is 4 for two rows of three drafts), and greedy output equal to no speculation."""
+    from vllm.spec_decode import adaptive
+    from vllm.tools.make_dspark_draft import write_dspark_draft
+    from vllm.worker import model_runner
+    draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (7, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
+    budgets = []
+
+    def fixed_budget(survivals, *args, **kwargs):
+        chosen = choose(survivals, *args, **kwargs)  # the real choice runs; the test then asks for 4
+        budgets.append(chosen)
+        return min(4, len(survivals))
+
+    choose = adaptive.choose_budget
+    monkeypatch.setattr(adaptive, "choose_budget", fixed_budget)
+    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    llm = _llm(model_dir, graph_backends, speculative_config={
+        "method": "dspark", "model": draft, "num_speculative_tokens": 3, "enable_adaptive_verification": True})
+    verifier = llm.llm_engine.runner.device_trim_hook
+    assert isinstance(verifier, adaptive.AdaptiveVerifier)
+    assert verifier.costs.verify(1) > 0 and verifier.costs.draft(1) >= 0
+    calls = []
+
+    def spy(out, common):
+        host, device = verifier(out, common)
+        calls.append((host, device.tolist()))
+        return host, device
+
+    llm.llm_engine.runner.device_trim_hook = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == want
+    assert calls and budgets, "all-verify steps ran through the adaptive hook"
+    assert all(sum(h) == sum(d) and all(1 <= n <= 4 for n in h + d) for h, d in calls)
+    assert any(h == [3, 3] and d in ([4, 2], [2, 4]) for h, d in calls), calls
+    llm.llm_engine.kv_cache_manager.assert_all_free()

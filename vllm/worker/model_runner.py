@@ -26,6 +26,8 @@ from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences,
+                                        VerifyCosts)
 from vllm.spec_decode.dspark import DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
@@ -40,6 +42,8 @@ logger = logging.getLogger(__name__)
 # The graph pool measured on the largest graph, with room for the other graphs' executable state.
 GRAPH_MEMORY_MARGIN = 1.2
 GRAPH_MEMORY_SLACK_BYTES = 64 << 20
+# Timings per size behind adaptive verification's cost tables (the median is kept).
+COST_PROFILE_REPEATS = 5
 
 
 # (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run)
@@ -148,6 +152,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.num_spec = config.num_speculative_tokens
         self.drafter = self._load_drafter()
+        self.confidences = DraftConfidences(self.num_spec)
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None
@@ -160,6 +165,9 @@ class ModelRunner:
         if spec is None or spec.method != "dspark":
             return None
         draft = load_dspark_draft(spec.model, self.hf_config, self.dtype, self.device)
+        if spec.enable_adaptive_verification and not draft.config.enable_confidence_head:
+            raise ValueError(f"--speculative-config enable_adaptive_verification needs a draft with a confidence head; "
+                             f"{spec.model} has enable_confidence_head=false")
         logger.info("DSpark draft %s: %d layers over target layers %s, K=%d", spec.model,
                     draft.config.num_hidden_layers, list(draft.config.target_layer_ids), self.num_spec)
         return DSparkProposer(draft, self.model, self.num_spec, self.config.scheduler_config.max_num_batched_tokens)
@@ -223,6 +231,13 @@ class ModelRunner:
             self._capture_cudagraphs(descs, pieces, graph_bytes)
         if self.device.type == "cuda":  # elsewhere nothing compiles (torch kernels, or Triton's interpreter)
             self.warm_up_eager_steps()
+        spec = self.config.speculative_config
+        if spec is not None and spec.enable_adaptive_verification:
+            if self.device.type == "cuda" and self.graphs is None:
+                raise ValueError("--speculative-config enable_adaptive_verification runs on CUDA graphs on a GPU "
+                                 f"(cudagraph_mode is {self.cudagraph_mode.value}); drop --enforce-eager")
+            self.set_device_trim_hook(AdaptiveVerifier(self.confidences, self._profile_step_costs(descs),
+                                                       self.config.scheduler_config.max_num_batched_tokens))
         return kv
 
     @torch.inference_mode()
@@ -330,6 +345,57 @@ class ModelRunner:
             raise RuntimeError(f"capturing the piecewise CUDA graphs at {size} tokens failed ({type(e).__name__}: "
                                f"{e}); run with --enforce-eager or "
                                '--compilation-config \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'') from e
+
+    @torch.inference_mode()
+    def _profile_step_costs(self, descs: list[BatchDescriptor]) -> VerifyCosts:
+        """Adaptive verification's cost tables, from dummy steps: the verify step by target tokens (each captured
+        size, replayed where a graph exists, then 1.5x the largest and doubling up to the token budget) and the
+        draft by requests; the median of COST_PROFILE_REPEATS timings of each."""
+        repeats = COST_PROFILE_REPEATS
+        sc = self.config.scheduler_config
+        per_req = 1 + self.num_spec
+        top = min(sc.max_num_seqs * per_req, sc.max_num_batched_tokens)
+        captured = sorted({d.num_tokens for d in descs})
+        sizes = captured or sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
+        size = int(sizes[-1] * 1.5)
+        while size <= sc.max_num_batched_tokens and size // per_req <= sc.max_num_seqs:
+            sizes.append(size)
+            size *= 2
+        context = max(1, min(sc.max_model_len - per_req, 1024))
+        verify, draft = {}, {}
+        for n_tokens in sizes:
+            n_reqs = -(-n_tokens // per_req)
+            lens = np.full(n_reqs, per_req)
+            lens[-1] = n_tokens - per_req * (n_reqs - 1)
+            self.input_batch.fill_dummy(lens, np.full(n_reqs, context), np.zeros(n_reqs, dtype=bool))
+            common = self.input_batch.dummy_metadata(n_reqs, n_tokens, per_req, context + per_req)
+            desc = self._graph_for(common)
+            if desc is not None:
+                self.input_batch.pad_for_graph(n_reqs, n_tokens, desc.num_reqs, desc.num_tokens)
+            run = (lambda: self.graphs.replay(desc)) if desc is not None else (lambda: self._forward(n_tokens, common))
+            verify[n_tokens] = self._timed(run, repeats)
+            zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
+            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs], 1),
+                                        repeats)
+        max_captured = captured[-1] if captured else 0
+        costs = VerifyCosts(CostCurve.from_samples(draft, max_captured // per_req),
+                            CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST))
+        logger.info("adaptive verification cost tables (ms): verify %s, draft %s",
+                    {n: round(costs.verify(n) * 1e3, 3) for n in verify}, {n: round(costs.draft(n) * 1e3, 3)
+                                                                           for n in draft})
+        return costs
+
+    def _timed(self, fn: Callable[[], object], repeats: int) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            fn()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return times
 
     def _free_device_bytes(self) -> int:
         """Free device memory; 0 off CUDA (where the worker tests stand a rerun in for capture)."""
@@ -493,11 +559,13 @@ class ModelRunner:
         if not rows:
             return
         max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
-        drafts, _ = self.drafter.propose(torch.cat(anchors), torch.cat(positions),
-                                         common.block_table[async_tensor_h2d(rows, torch.int64, self.device)],
-                                         max_context)
+        drafts, confidence = self.drafter.propose(torch.cat(anchors), torch.cat(positions),
+                                                  common.block_table[async_tensor_h2d(rows, torch.int64,
+                                                                                      self.device)], max_context)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
         result.drafts_host = async_tensor_d2h(drafts)
+        if confidence is not None:
+            self.confidences.update(result.draft_rows, confidence, async_tensor_d2h(confidence))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: AsyncModelRunnerOutput) -> None:

@@ -1,0 +1,85 @@
+"""Adaptive verification's budget (vllm/spec_decode/adaptive.py): the cost curves, b*, the host's even split and
+the device's survival split, against hand-computed cases."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.spec_decode.adaptive import CostCurve, VerifyCosts, choose_budget, device_split, even_split
+
+
+def _flat_draft():
+    return CostCurve.from_samples({1: [0.0], 64: [0.0]}, max_captured=64)
+
+
+def test_cost_curve_is_monotone_a_step_function_inside_the_captures_and_linear_beyond():
+    curve = CostCurve.from_samples({1: [1.0, 9.0, 1.2], 4: [0.8], 8: [2.0], 16: [3.0], 24: [5.0], 32: [6.0]},
+                                   max_captured=16, floor=1e-6)
+    assert curve(1) == pytest.approx(1.2)  # the median of the samples
+    assert curve(4) == pytest.approx(1.2)  # a running max: 0.8 is raised to 1.2
+    assert curve(5) == curve(8) == pytest.approx(2.0)  # padded up to the 8-token graph
+    assert curve(16) == pytest.approx(3.0)
+    assert curve(20) == pytest.approx(4.0)  # interpolated above the largest graph
+    assert curve(40) == pytest.approx(7.0)  # extrapolated from the last two points
+    assert all(curve(n) <= curve(n + 1) for n in range(1, 60))
+
+
+def test_a_100x_verify_cost_jump_admits_only_the_most_confident_draft():
+    verify = CostCurve.from_samples({4: [1.0], 5: [1.0], 6: [100.0], 12: [100.0]}, max_captured=12)
+    costs = VerifyCosts(_flat_draft(), verify)
+    # Four requests with one token each (T0 = 4): b = 1 costs nothing more; b = 2 costs 100x.
+    b = choose_budget(np.array([0.3, 0.9, 0.2, 0.25]), num_non_draft_tokens=4, num_sampling_reqs=4, num_reqs=4,
+                      max_total_logits=1024, num_bonus=1, costs=costs)
+    assert b == 1
+
+
+def test_budget_grows_with_confidence_when_verifying_is_cheap_and_stops_at_the_chunk():
+    verify = CostCurve.from_samples({n: [1.0 + 0.01 * n] for n in (1, 8, 16, 32, 64)}, max_captured=64)
+    costs = VerifyCosts(_flat_draft(), verify)
+    sure = np.full(12, 0.95)
+    assert choose_budget(sure, 4, 4, 4, 1024, 1, costs) == 12
+    # Unlikely drafts: only those that ride in the 8-token graph's padding for free (4 tokens + 4 drafts) ...
+    assert choose_budget(np.full(12, 0.001), 4, 4, 4, 1024, 1, costs) == 4
+    # ... and none when the step already fills its graph.
+    assert choose_budget(np.full(12, 0.001), 8, 8, 8, 1024, 1, costs) == 0
+    # One rejection-sampler chunk of 10 logits holds 4 bonus rows and 6 drafts.
+    assert choose_budget(sure, 4, 4, 4, 10, 1, costs) == 6
+
+
+def test_zero_budget_gives_one_token_rows_on_host_and_device():
+    assert even_split(0, [3, 3, 2]) == [0, 0, 0]
+    caps = device_split(torch.rand(3, 3), torch.tensor([3, 3, 2]), 0)
+    assert caps.tolist() == [0, 0, 0]
+    cu = np.cumsum([0] + [1 + c for c in even_split(0, [3, 3, 2])])
+    assert cu.tolist() == [0, 1, 2, 3]  # exact: every row is its bonus logit only
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_and_device_splits_agree_in_total_and_stay_within_each_row(seed):
+    gen = torch.Generator().manual_seed(seed)
+    R, K = int(torch.randint(1, 9, (1,), generator=gen)), 7
+    drafts = torch.randint(0, K + 1, (R,), generator=gen)
+    conf = torch.rand(R, K, generator=gen)
+    budget = int(torch.randint(0, int(drafts.sum()) + 1, (1,), generator=gen))
+    host, device = even_split(budget, drafts.tolist()), device_split(conf, drafts, budget)
+    assert sum(host) == int(device.sum()) == budget
+    assert all(0 <= h <= d for h, d in zip(host, drafts.tolist()))
+    assert ((device >= 0) & (device <= drafts)).all()
+    # The device keeps, per row, the prefix of its most surviving slots: each kept slot outranks each dropped.
+    survival = conf.cumprod(1)
+    kept = [survival[r, :int(device[r])] for r in range(R)]
+    dropped = [survival[r, int(device[r]):int(drafts[r])] for r in range(R)]
+    lo = min((k.min() for k in kept if k.numel()), default=torch.tensor(1.0))
+    hi = max((d.max() for d in dropped if d.numel()), default=torch.tensor(0.0))
+    assert lo >= hi
+
+
+def test_the_even_split_differs_from_the_survival_split_row_by_row():
+    """Two rows of 3 drafts, a budget of 4: the host says [2, 2] (rows 3 and 3 tokens), the device gives the
+    confident row 3 drafts ([4, 2] tokens)."""
+    conf = torch.tensor([[0.9, 0.9, 0.9], [0.5, 0.1, 0.1]])
+    assert even_split(4, [3, 3]) == [2, 2]
+    assert device_split(conf, torch.tensor([3, 3]), 4).tolist() == [3, 1]
+    with pytest.raises(ValueError, match="exceeds the 6 scheduled drafts"):
+        even_split(7, [3, 3])

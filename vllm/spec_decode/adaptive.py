@@ -1,0 +1,154 @@
+"""Adaptive verification (shared docs: dspark_and_adaptive.md): how many draft tokens a step verifies, and whose.
+
+The host picks the step's draft budget b* from the draft confidences and profiled step costs, and spreads it
+evenly over the verifying requests (its metadata then has the right total); the device re-cuts the same total
+by survival, a global top-b* over the fresh confidences, and rewrites the row offsets the kernels and the
+rejection sampler read. The two splits differ row by row ([3, 3] on the host, [4, 2] on the device) and agree
+in total.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MIN_VERIFY_COST = 1e-6  # a verify step is never free: keeps the ratio finite
+
+
+@dataclass(slots=True)
+class CostCurve:
+    """Profiled step cost against a size (requests for the draft, tokens for the verify step).
+
+    Made monotone (running max). Up to the largest captured size a step is padded to the next captured size, so
+    the cost is a step function there; above it, linear interpolation between profiled tail sizes, and linear
+    extrapolation past the last point (from the last two points)."""
+    sizes: np.ndarray  # increasing
+    costs: np.ndarray
+    max_captured: int
+    floor: float = 0.0
+
+    @classmethod
+    def from_samples(cls, samples: dict[int, list[float]], max_captured: int, floor: float = 0.0) -> CostCurve:
+        """samples: size -> repeated timings; the median of each is kept."""
+        if not samples:
+            raise ValueError("a cost curve needs at least one profiled size")
+        sizes = np.array(sorted(samples), dtype=np.int64)
+        costs = np.maximum.accumulate(np.array([np.median(samples[s]) for s in sizes], dtype=np.float64))
+        return cls(sizes, np.maximum(costs, floor), max_captured, floor)
+
+    def __call__(self, size: int) -> float:
+        s, c = self.sizes, self.costs
+        i = int(np.searchsorted(s, size, side="left"))  # the first profiled size >= size
+        if i < len(s) and (size <= self.max_captured or s[i] == size or i == 0):
+            return float(c[i])  # padded up to that graph (or below the first point: its cost)
+        if i < len(s):
+            return float(max(np.interp(size, s, c), self.floor))
+        if len(s) == 1:
+            return float(c[-1])
+        slope = (c[-1] - c[-2]) / (s[-1] - s[-2])
+        return float(max(c[-1] + slope * (size - s[-1]), self.floor))
+
+
+@dataclass(slots=True)
+class VerifyCosts:
+    draft: CostCurve  # by number of requests drafted for
+    verify: CostCurve  # by target tokens in the step
+
+
+def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling_reqs: int, num_reqs: int,
+                  max_total_logits: int, num_bonus: int, costs: VerifyCosts) -> int:
+    """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / (draft_cost[num_reqs] + verify_cost[T0 + b]).
+
+    survivals: every scheduled draft slot's survival (the running product of its request's confidences), any
+    order; T0 = num_non_draft_tokens; N_s = num_sampling_reqs; B_max = min(slots, max_total_logits - num_reqs *
+    num_bonus), so the step's logits fit one rejection-sampler chunk. Ties go to the smaller budget."""
+    S = np.sort(np.asarray(survivals, dtype=np.float64))[::-1]
+    b_max = max(0, min(len(S), max_total_logits - num_reqs * num_bonus))
+    gain = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(S[:b_max])])
+    draft = costs.draft(num_reqs)
+    cost = np.array([draft + max(costs.verify(num_non_draft_tokens + b), MIN_VERIFY_COST) for b in range(b_max + 1)])
+    return int(np.argmax(gain / cost))
+
+
+def even_split(budget: int, num_drafts: list[int]) -> list[int]:
+    """The host's split: `budget` draft slots spread evenly over the verifying rows (the remainder to the
+    first ones), never more than a row's own drafts. Same total as the device's split."""
+    if budget > sum(num_drafts):
+        raise ValueError(f"a budget of {budget} exceeds the {sum(num_drafts)} scheduled drafts")
+    caps = [0] * len(num_drafts)
+    left = budget
+    while left:
+        open_rows = [r for r, d in enumerate(num_drafts) if caps[r] < d]
+        share, extra = divmod(left, len(open_rows))
+        for k, r in enumerate(open_rows):
+            take = min(num_drafts[r] - caps[r], share + (k < extra))
+            caps[r] += take
+            left -= take
+    return caps
+
+
+def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
+    """The device's split [R] (int32): the global top-`budget` slots by survival, from confidences [R, K] and
+    drafts per row [R]; slots past a row's drafts never win. Survival never rises along a draft, so each row
+    keeps a prefix. No host sync: `budget` is the host's number."""
+    R, K = confidence.shape
+    survival = confidence.float().clamp(0, 1).cumprod(dim=1)
+    past = torch.arange(K, device=confidence.device)[None, :] >= num_drafts[:, None]
+    survival = survival.masked_fill(past, float("-inf"))
+    # Ties broken towards earlier slots of a row, so a row's kept slots stay a prefix.
+    order = survival.flatten().argsort(descending=True, stable=True)[:budget]
+    keep = torch.zeros(R * K, dtype=torch.int32, device=confidence.device)
+    keep[order] = 1
+    return keep.view(R, K).sum(1, dtype=torch.int32)
+
+
+class AdaptiveVerifier:
+    """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
+
+    On an all-verify step: survivals from the host copy of the draft's confidences (the engine steps
+    synchronously under speculation, so the host copy is the one the drafts came with), b* from the cost
+    tables, the host's even split for the metadata, and the device's survival split from the device copy."""
+
+    def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int) -> None:
+        self.confidences, self.costs, self.max_total_logits = confidences, costs, max_total_logits
+        self.last_budget: int | None = None  # for tests and logs
+
+    def __call__(self, out, common) -> tuple[list[int], torch.Tensor]:
+        rows = out.scheduled
+        drafts = [len(s.draft_token_ids) for s in rows]
+        device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
+        survivals = np.concatenate([np.cumprod(host_conf[r, :d]) for r, d in enumerate(drafts)]) if rows else []
+        budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
+        self.last_budget = budget
+        host = [1 + c for c in even_split(budget, drafts)]
+        device_drafts = torch.tensor(drafts, dtype=torch.int64).to(device_conf.device, non_blocking=True)
+        return host, 1 + device_split(device_conf, device_drafts, budget)
+
+
+class DraftConfidences:
+    """The latest confidence of each request's drafts: a device table [rows, K] and its host copy, written by
+    the drafter each step; requests without drafts yet read 1.0 (as upstream starts them)."""
+
+    def __init__(self, num_spec: int) -> None:
+        self.num_spec = num_spec
+        self.index: dict[str, int] = {}
+        self.device: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+
+    def update(self, request_ids: list[str], device: torch.Tensor, host: torch.Tensor) -> None:
+        """host: a copy queued behind the step (pinned on CUDA); read only once the step's outputs are in."""
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.device, self.host = device, host
+
+    def rows(self, request_ids: list[str]) -> tuple[torch.Tensor, np.ndarray]:
+        K = self.num_spec
+        if self.device is None:
+            ones = torch.ones(len(request_ids), K)
+            return ones, ones.numpy()
+        # Row -1: a request with no confidences yet; it reads the 1.0 row appended here.
+        picks = [self.index.get(rid, -1) for rid in request_ids]
+        table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])
+        host_table = np.concatenate([self.host.float().numpy(), np.ones((1, K), dtype=np.float32)])
+        idx = torch.tensor(picks, dtype=torch.int64).to(table.device, non_blocking=True)
+        return table[idx], host_table[picks]
