@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -108,7 +107,8 @@ def evaluate(draft, target, heldout: torch.Tensor, K: int, batch: int, anchors_p
         inside = (conf >= lo) & ((conf < hi) | (hi == 1))
         if inside.any():
             bins.append({"confidence": [lo.item(), hi.item()], "count": int(inside.sum()),
-                         "mean_confidence": conf[inside].mean().item(), "mean_acceptance": accept[inside].mean().item()})
+                         "mean_confidence": conf[inside].mean().item(),
+                         "mean_acceptance": accept[inside].mean().item()})
     ece = sum(b["count"] * abs(b["mean_confidence"] - b["mean_acceptance"]) for b in bins) / conf.numel()
     return {"greedy_match_per_pos": match.mean(0).tolist(), "acceptance_per_pos": accept.mean(0).tolist(),
             "confidence_per_pos": conf.mean(0).tolist(), "calibration": bins, "expected_calibration_error": ece}

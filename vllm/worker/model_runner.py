@@ -523,8 +523,9 @@ class ModelRunner:
                 result: AsyncModelRunnerOutput) -> torch.Tensor:
         """Rejection-sample the verify `rows`; returns their tokens [rows, 1 + K] (accepted, then placeholders).
         token_idx (device) lists each row's tokens in the step (its current token, then its drafts), each one a
-        logits row; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's device draft ids (placeholders still -1), so nothing is uploaded
-        again; the host draft counts have the device total and only size the output."""
+        logits row; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's device
+        draft ids (placeholders still -1), so nothing is uploaded again; the host draft counts have the device
+        total and only size the output."""
         logits = self.model.compute_logits(hidden[token_idx])
         first = torch.zeros(token_idx.shape[0], dtype=torch.bool, device=self.device)
         first[cu_num_logits[:-1].long()] = True
