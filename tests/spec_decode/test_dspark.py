@@ -183,3 +183,10 @@ def test_dspark_is_lossless_under_chunking_preemption_and_aborts(draft_dir):
     assert sorted(done) == ["r0", "r2", "r3", "r5"]
     assert [done[f"r{i}"] for i in (0, 2, 3, 5)] == [want[i] for i in (0, 2, 3, 5)]
     engine.kv_cache_manager.assert_all_free()
+
+
+def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):
+    with pytest.raises(ValueError, match=r"enable_adaptive_verification needs attention backends that replay any "
+                                         r"decode shape \(VARLEN_DECODE or ALWAYS\); KDAMetadataBuilder \(NEVER\)"):
+        LLM(dtype="float32", max_model_len=128, speculative_config={
+            "method": "dspark", "model": draft_dir, "num_speculative_tokens": 2, "enable_adaptive_verification": True})

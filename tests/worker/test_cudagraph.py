@@ -76,6 +76,10 @@ def test_capture_descriptors_full():
     (M.FULL_DECODE_ONLY, S.UNIFORM_BATCH, 3, M.NONE, True),
     (M.FULL_DECODE_ONLY, S.UNIFORM_SINGLE_TOKEN_DECODE, 0, M.FULL_DECODE_ONLY, False),
     (M.FULL_DECODE_ONLY, S.NEVER, 0, M.NONE, True),
+    # Decode-only varlen backends (the KDA pair): FULL keeps its decode graphs, verify graphs replay.
+    (M.FULL, S.VARLEN_DECODE, 3, M.FULL_DECODE_ONLY, True),
+    (M.FULL_DECODE_ONLY, S.VARLEN_DECODE, 3, M.FULL_DECODE_ONLY, False),
+    (M.FULL_AND_PIECEWISE, S.VARLEN_DECODE, 3, M.FULL_AND_PIECEWISE, False),
 ])
 def test_resolve_mode(requested, support, k, expected, downgraded):
     mode, reason = resolve_mode(requested, support, k)

@@ -18,7 +18,10 @@ class AttentionCGSupport(enum.IntEnum):
     NEVER = 0
     UNIFORM_SINGLE_TOKEN_DECODE = 1
     UNIFORM_BATCH = 2
-    ALWAYS = 3
+    # Any decode/verify batch (rows of 1..bound tokens, ragged, lengths read from the device), never a batch with
+    # a prompt chunk: what adaptive verification's re-cut rows need (upstream is adding the same level).
+    VARLEN_DECODE = 3
+    ALWAYS = 4
 
 
 class QueryLenSupport(enum.Enum):

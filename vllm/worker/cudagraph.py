@@ -88,8 +88,8 @@ def resolve_mode(requested: CUDAGraphMode, support: AttentionCGSupport,
         reason = (f"FULL needs every attention backend to support ALWAYS (mixed prefill+decode batches), "
                   f"the weakest supports {support.name}; using FULL_DECODE_ONLY")
     if mode in (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE):
-        # Our verify graphs are varlen (rows of 1..1+K tokens), which only ALWAYS backends can replay.
-        need = (AttentionCGSupport.ALWAYS if num_speculative_tokens > 0
+        # Our verify graphs are varlen (rows of 1..1+K tokens): VARLEN_DECODE backends and better replay them.
+        need = (AttentionCGSupport.VARLEN_DECODE if num_speculative_tokens > 0
                 else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
         if support < need:
             what = (f"varlen verify graphs (num_speculative_tokens={num_speculative_tokens})"

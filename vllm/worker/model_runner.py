@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from vllm.attention.backend import CommonAttentionMetadata, HybridAttentionMetadata, LayerShapes
+from vllm.attention.backend import AttentionCGSupport, CommonAttentionMetadata, HybridAttentionMetadata, LayerShapes
 from vllm.attention.selector import select_backends
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_manager import KVCacheManager
@@ -188,12 +188,6 @@ class ModelRunner:
         """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
         cc = self.config.compilation_config
         requested = CUDAGraphMode(cc.resolved_mode(self.device))
-        if requested is CUDAGraphMode.FULL and self.kda_builder is not None:
-            # The KDA prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a
-            # prompt chunk cannot replay; decode and verify batches still can.
-            logger.warning("cudagraph_mode FULL -> FULL_DECODE_ONLY: the KDA prefill backend %s cannot be "
-                           "captured; batches with a prompt chunk run eagerly", self.kda_prefill_backend.name)
-            requested = CUDAGraphMode.FULL_DECODE_ONLY
         builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
         support = min(b.cudagraph_support for b in builders)
         mode, reason = resolve_mode(requested, support, self.num_spec)
@@ -233,9 +227,7 @@ class ModelRunner:
             self.warm_up_eager_steps()
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
-            if self.device.type == "cuda" and self.graphs is None:
-                raise ValueError("--speculative-config enable_adaptive_verification runs on CUDA graphs on a GPU "
-                                 f"(cudagraph_mode is {self.cudagraph_mode.value}); drop --enforce-eager")
+            self._check_adaptive_gates()
             self.set_device_trim_hook(AdaptiveVerifier(self.confidences, self._profile_step_costs(descs),
                                                        self.config.scheduler_config.max_num_batched_tokens))
         return kv
@@ -345,6 +337,21 @@ class ModelRunner:
             raise RuntimeError(f"capturing the piecewise CUDA graphs at {size} tokens failed ({type(e).__name__}: "
                                f"{e}); run with --enforce-eager or "
                                '--compilation-config \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'') from e
+
+    def _check_adaptive_gates(self) -> None:
+        """Adaptive verification re-cuts verify rows on the device: every target backend must replay any decode
+        shape (VARLEN_DECODE or better) and, on a GPU, the step must run in CUDA graphs. (Reading row lengths
+        from the device offsets is checked by set_device_trim_hook.)"""
+        flag = "--speculative-config enable_adaptive_verification"
+        builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
+        weak = [f"{type(b).__name__} ({b.cudagraph_support.name})" for b in builders
+                if b.cudagraph_support < AttentionCGSupport.VARLEN_DECODE]
+        if weak:
+            raise ValueError(f"{flag} needs attention backends that replay any decode shape (VARLEN_DECODE or "
+                             f"ALWAYS); {', '.join(weak)} cannot; backends: {self.backend_names}")
+        if self.device.type == "cuda" and self.graphs is None:
+            raise ValueError(f"{flag} runs on CUDA graphs on a GPU (cudagraph_mode is {self.cudagraph_mode.value});"
+                             " drop --enforce-eager")
 
     @torch.inference_mode()
     def _profile_step_costs(self, descs: list[BatchDescriptor]) -> VerifyCosts:

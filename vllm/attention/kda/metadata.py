@@ -107,8 +107,9 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
 
     def __init__(self, decode: type[KDABackend]) -> None:
-        # Graphs hold decode steps only, so the decode backend's support is the pair's.
-        self.cudagraph_support = decode.decode_cudagraph_support
+        # The prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a prompt chunk
+        # never replays: the pair's support is its decode backend's, at most VARLEN_DECODE.
+        self.cudagraph_support = min(decode.decode_cudagraph_support, AttentionCGSupport.VARLEN_DECODE)
         self.decode_reads_device_offsets = decode.decode_reads_device_offsets
 
     def supports_device_cpu_query_lens_mismatch(self) -> bool:

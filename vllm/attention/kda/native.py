@@ -303,7 +303,7 @@ class NativeKDABackend(KDABackend):
     decode_checkpoints = True
     decode_reads_device_offsets = True
     # Row lengths come from the device offsets and the grid from (N, H): any decode batch replays.
-    decode_cudagraph_support = AttentionCGSupport.ALWAYS
+    decode_cudagraph_support = AttentionCGSupport.VARLEN_DECODE
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, shapes: LayerShapes | None = None) -> str | None:
