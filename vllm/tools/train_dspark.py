@@ -181,7 +181,7 @@ def train(args: argparse.Namespace) -> dict:
     return log
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=Path, required=True, help="prepare_corpus output with the token files")
     ap.add_argument("--target", type=Path, default=DEFAULT_MODEL_DIR)
@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--max-eval-windows", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    train(ap.parse_args(argv))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
