@@ -40,8 +40,9 @@ def uneven_trim(calls: list):
 
 
 def _llm(model_dir, backends, **kwargs) -> LLM:
+    kwargs.setdefault("enforce_eager", True)
     return LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
-               max_num_batched_tokens=32, max_num_seqs=4, enforce_eager=True, **backends, **kwargs)
+               max_num_batched_tokens=32, max_num_seqs=4, **backends, **kwargs)
 
 
 def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
@@ -129,7 +130,10 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     choose = adaptive.choose_budget
     monkeypatch.setattr(adaptive, "choose_budget", fixed_budget)
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
-    llm = _llm(model_dir, graph_backends, speculative_config={
+    # On a GPU adaptive verification runs in CUDA graphs (its start-up gate); on the CPU eagerly.
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                             "cudagraph_capture_sizes": [4, 8]}}
+    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), speculative_config={
         "method": "dspark", "model": draft, "num_speculative_tokens": 3, "enable_adaptive_verification": True})
     verifier = llm.llm_engine.runner.device_trim_hook
     assert isinstance(verifier, adaptive.AdaptiveVerifier)
