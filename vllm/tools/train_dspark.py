@@ -80,7 +80,8 @@ def losses(draft, target, batch: torch.Tensor, anchors: torch.Tensor, K: int, al
     accept = torch.minimum(p_block, log_q.exp()).sum(-1).detach()  # a_i = sum_v min(p, q)
     reach = torch.cat([torch.ones_like(accept[..., :1]), accept[..., :-1].cumprod(-1)], dim=-1)
     conf = draft.confidence(h, prev)
-    bce = F.binary_cross_entropy(conf, accept.clamp(0, 1), weight=reach)
+    with torch.autocast(conf.device.type, enabled=False):  # BCE on probabilities is float32-only
+        bce = F.binary_cross_entropy(conf.float(), accept.float().clamp(0, 1), weight=reach.float())
     return {"loss": ce.mean() + alpha * bce, "ce": ce.mean(), "bce": bce, "accept": accept, "conf": conf.detach(),
             "match": (logits.argmax(-1) == p_block.argmax(-1)).float()}
 
