@@ -2,7 +2,8 @@
 its batch, the target's captured hidden states, the checkpoint's fit to the target, and the engine greedy
 lossless with DSpark at K = 1, 3, 7 over mixed batches, chunked prefill, preemption and aborts.
 
-The draft here has random weights: verification must make the output exact whatever it drafts.
+The unit tests' draft has random weights (verification must make the output exact whatever it drafts); the
+engine's lossless runs use the draft trained for the built-in model, whose drafts are accepted.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from code_prompts import CODE_PROMPTS
 from safetensors.torch import load_file, save_file
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import DEFAULT_DSPARK_DIR, DEFAULT_MODEL_DIR
 from vllm.model_executor.checkpoint_errors import MissingTensorError, UnexpectedTensorError
 from vllm.model_executor.dspark_loader import load_dspark_draft
 from vllm.model_executor.model_loader import load_config, load_model
@@ -149,26 +150,31 @@ def test_missing_and_unexpected_draft_tensors_are_named(tmp_path, draft_dir):
 
 # ---- the engine ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("K", [1, 3, 7])
-def test_dspark_greedy_is_lossless(draft_dir, K):
-    want = _ids(_llm().generate(CODE_PROMPTS, GREEDY, use_tqdm=False))
-    llm = _llm(draft_dir, K)
-    outs = llm.generate(CODE_PROMPTS, GREEDY, use_tqdm=False)
+def test_dspark_greedy_is_lossless_with_accepted_drafts(K):
+    """The shipped draft on the built-in model: output equal to no speculation, every request drafted for, and
+    every acceptance count 0..K occurs (so the accepted-draft paths run, not only the all-rejected one)."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    want = _ids(_llm().generate(CODE_PROMPTS, params, use_tqdm=False))
+    llm = _llm(str(DEFAULT_DSPARK_DIR), K)
+    outs = llm.generate(CODE_PROMPTS, params, use_tqdm=False)
     assert _ids(outs) == want
-    stats = llm.llm_engine.spec_decode_stats
-    assert stats.num_drafts > 0 and stats.num_draft_tokens > 0
-    # Every draft is K tokens long unless the request's remaining max_tokens cut it.
-    assert stats.num_draft_tokens >= K * stats.num_drafts - len(CODE_PROMPTS) * K * (K + 1) // 2
     assert all(o.metrics.spec_num_drafts > 0 for o in outs)
+    stats = llm.llm_engine.spec_decode_stats
+    per_pos = stats.num_accepted_tokens_per_pos
+    stopped_at = [stats.num_drafts - per_pos[0]] + [per_pos[j - 1] - (per_pos[j] if j < K else 0)
+                                                   for j in range(1, K + 1)]
+    assert all(n > 0 for n in stopped_at), (stats.num_drafts, per_pos)
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 
-def test_dspark_is_lossless_under_chunking_preemption_and_aborts(draft_dir):
+def test_dspark_is_lossless_under_chunking_preemption_and_aborts():
     prompts = [p * n for p, n in zip(CODE_PROMPTS, (1, 6, 2, 9, 3, 1))]
     want = _ids(_llm().generate(prompts, GREEDY, use_tqdm=False))
-    llm = _llm(draft_dir, 3, max_num_batched_tokens=16, num_gpu_blocks_override=9, max_model_len=128)
+    llm = _llm(str(DEFAULT_DSPARK_DIR), 3, max_num_batched_tokens=16, num_gpu_blocks_override=9, max_model_len=128)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _ids(outs) == want
     assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
