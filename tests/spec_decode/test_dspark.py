@@ -194,5 +194,7 @@ def test_dspark_is_lossless_under_chunking_preemption_and_aborts():
 def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):
     with pytest.raises(ValueError, match=r"enable_adaptive_verification needs attention backends that replay any "
                                          r"decode shape \(VARLEN_DECODE or ALWAYS\); KDAMetadataBuilder \(NEVER\)"):
-        LLM(dtype="float32", max_model_len=128, speculative_config={
+        # The reference backends, on any device: they read the host's row lengths and replay no graph.
+        LLM(dtype="float32", max_model_len=128, attention_backend="TORCH_MLA", kda_decode_backend="torch",
+            kda_prefill_backend="torch", speculative_config={
             "method": "dspark", "model": draft_dir, "num_speculative_tokens": 2, "enable_adaptive_verification": True})
