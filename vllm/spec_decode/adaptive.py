@@ -130,8 +130,8 @@ class DraftConfidences:
     """The latest confidence of each request's drafts: a device table [rows, K] and its host copy, written by
     the drafter each step; requests without drafts yet read 1.0 (as upstream starts them)."""
 
-    def __init__(self, num_spec: int) -> None:
-        self.num_spec = num_spec
+    def __init__(self, num_spec: int, device: torch.device) -> None:
+        self.num_spec, self.table_device = num_spec, device
         self.index: dict[str, int] = {}
         self.device: torch.Tensor | None = None
         self.host: torch.Tensor | None = None
@@ -144,8 +144,8 @@ class DraftConfidences:
     def rows(self, request_ids: list[str]) -> tuple[torch.Tensor, np.ndarray]:
         K = self.num_spec
         if self.device is None:
-            ones = torch.ones(len(request_ids), K)
-            return ones, ones.numpy()
+            ones = np.ones((len(request_ids), K), dtype=np.float32)
+            return torch.from_numpy(ones).to(self.table_device), ones
         # Row -1: a request with no confidences yet; it reads the 1.0 row appended here.
         picks = [self.index.get(rid, -1) for rid in request_ids]
         table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])

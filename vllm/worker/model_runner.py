@@ -152,7 +152,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.num_spec = config.num_speculative_tokens
         self.drafter = self._load_drafter()
-        self.confidences = DraftConfidences(self.num_spec)
+        self.confidences = DraftConfidences(self.num_spec, self.device)
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None

@@ -57,9 +57,9 @@ class DSparkConfig:
         if self.hidden_size != target.hidden_size:
             problems.append(f"hidden_size {self.hidden_size} != the target's {target.hidden_size} (the draft reads "
                             "the target's embedding and lm_head)")
-        if (self.target_hidden_size or self.hidden_size) != target.hidden_size:
-            problems.append(f"target_hidden_size {self.target_hidden_size or self.hidden_size} != the target's "
-                            f"hidden_size {target.hidden_size}")
+        if self.target_hidden_size is not None and self.target_hidden_size != target.hidden_size:
+            problems.append(f"target_hidden_size {self.target_hidden_size} != the target's hidden_size "
+                            f"{target.hidden_size}")
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
         if not self.target_layer_ids or bad:
             problems.append(f"target_layer_ids {list(self.target_layer_ids)} must be a non-empty list of layer "
