@@ -246,8 +246,9 @@ class LLMEngine:
     def _propose(self) -> None:
         """ngram drafts for each decoding request, verified in the next step."""
         for req in self.scheduler.running:
-            if req.speculate and not req.is_prefilling and self._draft_room(req) > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids())[:self._draft_room(req)]
+            room = self._draft_room(req)
+            if req.speculate and not req.is_prefilling and room > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids())[:room]
 
     def _take_drafts(self, drafts: dict[str, list[int]]) -> None:
         """The DSpark drafts the step proposed, for the requests still running; like ngram's, never past

@@ -26,18 +26,19 @@ class DSparkProposer:
         target.model.capture_hidden_states(cfg.target_layer_ids, self.context)
 
     def allocate_caches(self, num_blocks: int, block_size: int) -> None:
+        """The block manager's num_blocks, plus one block no table reaches: the padding rows' scratch."""
         cfg, weight = self.draft.config, self.target.model.embed_tokens.weight
-        self.draft.bind_caches([torch.zeros(num_blocks, block_size, cfg.mla_cache_dim, dtype=weight.dtype,
+        self.draft.bind_caches([torch.zeros(num_blocks + 1, block_size, cfg.mla_cache_dim, dtype=weight.dtype,
                                             device=weight.device) for _ in range(cfg.num_hidden_layers)])
 
     def write_context(self, num_tokens: int, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.draft.write_context(self.context[:num_tokens], positions[:num_tokens], slot_mapping[:num_tokens])
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
-                max_context: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts [N, K] and confidences [N, K] (None without a confidence head) for N anchors."""
+                max_context: int, with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [N, K] and, when asked for (adaptive verification reads them), confidences [N, K]."""
         target = self.target
         lm_head = target.model.embed_tokens.weight if target.config.tie_word_embeddings else target.lm_head.weight
         return self.draft.propose(anchor_ids, anchor_pos, block_table, max_context, self.num_spec,
-                                  target.model.embed_tokens, lm_head)
+                                  target.model.embed_tokens, lm_head, with_confidence)
 

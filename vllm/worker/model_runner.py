@@ -382,8 +382,8 @@ class ModelRunner:
             run = (lambda: self.graphs.replay(desc)) if desc is not None else (lambda: self._forward(n_tokens, common))
             verify[n_tokens] = self._timed(run, repeats)
             zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
-            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs], 1),
-                                        repeats)
+            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs], 1,
+                                                                     with_confidence=True), repeats)
         max_captured = captured[-1] if captured else 0
         costs = VerifyCosts(CostCurve.from_samples(draft, max_captured // per_req),
                             CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST))
@@ -569,7 +569,9 @@ class ModelRunner:
         max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
         drafts, confidence = self.drafter.propose(torch.cat(anchors), torch.cat(positions),
                                                   common.block_table[async_tensor_h2d(rows, torch.int64,
-                                                                                      self.device)], max_context)
+                                                                                      self.device)], max_context,
+                                                  # only the device-trim hook (adaptive) reads them
+                                                  with_confidence=self.device_trim_hook is not None)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
         result.drafts_host = async_tensor_d2h(drafts)
         if confidence is not None:

@@ -134,6 +134,8 @@ class DSparkDraftModel(nn.Module):
             self.confidence_head.float()
 
     def bind_caches(self, caches: list[torch.Tensor]) -> None:
+        """One [num_blocks, block_size, L + R] cache per layer; its last slot is scratch for padding rows, so the
+        last block must be one the block tables never hand out."""
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
 
@@ -145,12 +147,12 @@ class DSparkDraftModel(nn.Module):
 
     def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Context tokens [T, n_layers * D_target] at positions [T] into every layer's cache at slot_mapping [T]
-        (flat block * block_size + offset; negative: padding, not written)."""
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        for layer, latent in zip(self.layers, self.context_latents(target_hidden[keep], positions[keep])):
+        (flat block * block_size + offset). Negative slots (padding) go to the cache's last slot, scratch that no
+        block table reaches (bind_caches): a fixed-size write, where filtering them out would sync with the host."""
+        for layer, latent in zip(self.layers, self.context_latents(target_hidden, positions)):
             cache = layer.self_attn.kv_cache.view(-1, self.config.mla_cache_dim)
-            cache[slots] = latent.to(cache.dtype)
+            slots = torch.where(slot_mapping >= 0, slot_mapping, cache.shape[0] - 1)
+            cache.index_copy_(0, slots.long(), latent.to(cache.dtype))
 
     def block_inputs(self, anchor_ids: torch.Tensor, num_tokens: int, embed: nn.Embedding) -> torch.Tensor:
         """[..., num_tokens, D]: the anchor's embedding, then the mask token's."""
@@ -181,8 +183,9 @@ class DSparkDraftModel(nn.Module):
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
                 max_context: int, num_tokens: int, embed: nn.Embedding,
-                lm_head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy drafts [N, num_tokens] and their confidences [N, num_tokens] (None without the head).
+                lm_head_weight: torch.Tensor, with_confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts [N, num_tokens] and their confidences [N, num_tokens] (None without the head or when
+        not asked for).
 
         Request n's anchor anchor_ids[n] sits at anchor_pos[n]; its context is positions [0, anchor_pos[n]) of
         the cache rows block_table[n]. max_context (host) bounds every anchor_pos, so nothing syncs."""
@@ -203,5 +206,7 @@ class DSparkDraftModel(nn.Module):
             prevs.append(prev)
             prev = self.markov_logits(base[:, i], prev).argmax(-1)
             tokens.append(prev)
-        confidence = self.confidence(h, torch.stack(prevs, dim=1)) if hasattr(self, "confidence_head") else None
+        confidence = None
+        if with_confidence and hasattr(self, "confidence_head"):
+            confidence = self.confidence(h, torch.stack(prevs, dim=1))
         return torch.stack(tokens, dim=1), confidence
