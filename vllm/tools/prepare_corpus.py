@@ -65,6 +65,25 @@ def collect(root: Path, heldout_percent: float) -> list[tuple[CorpusFile, str]]:
     return out
 
 
+def heldout_code_windows(tokenizer, lengths: list[int], heldout_percent: float = 3.0) -> list[list[int]]:
+    """Token windows of the given lengths from standard-library files outside the training split (3% is the
+    split the built-in model was trained with), one file after another; test files are left out. The split is by
+    path hash, so the same files are held out on every Python."""
+    out = []
+    for path in sorted(stdlib_root().rglob("*.py")):
+        rel = path.relative_to(stdlib_root()).as_posix()
+        if "test" in rel or split_of(rel, heldout_percent) != "heldout":
+            continue
+        ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+        while len(out) < len(lengths) and len(ids) >= lengths[len(out)]:
+            n = lengths[len(out)]
+            out.append(ids[:n])
+            ids = ids[n:]
+        if len(out) == len(lengths):
+            return out
+    raise ValueError(f"not enough held-out standard-library code for {len(lengths)} windows of these lengths")
+
+
 def write_corpus(out_dir: Path, heldout_percent: float = 3.0, root: Path | None = None) -> dict:
     root = root or stdlib_root()
     files = collect(root, heldout_percent)
