@@ -1,0 +1,76 @@
+"""Where a speculative decode step's time goes on the built-in model: host by Python function (cProfile), device
+by kernel (torch.profiler), for one request generating greedily.
+
+    python benchmarks/profile_spec_step.py --spec '{"method": "dspark", "num_speculative_tokens": 3}'
+
+Prints the wall time per generated token (median of `--repeats`, unprofiled), then the top functions by own and
+by cumulative host time, then the top CUDA kernels by device time and the number of kernel launches per step.
+A dspark config without "model" gets the shipped draft.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+from bench_common import sync
+from torch.profiler import ProfilerActivity, profile
+
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_DSPARK_DIR
+from vllm.tools.prepare_corpus import heldout_code_windows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default=None, help="the --speculative-config JSON (none: no speculation)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    spec = json.loads(args.spec) if args.spec else None
+    if spec is not None and spec["method"] == "dspark":
+        spec.setdefault("model", str(DEFAULT_DSPARK_DIR))
+    llm = LLM(device=args.device, max_model_len=1024, gpu_memory_utilization=0.3, speculative_config=spec)
+    prompt = {"prompt_token_ids": heldout_code_windows(llm.get_tokenizer(), [64])[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def run():
+        return llm.generate([prompt], params, use_tqdm=False)
+
+    run()
+    walls = []
+    for _ in range(args.repeats):
+        sync(args.device)
+        t0 = time.perf_counter()
+        out = run()
+        sync(args.device)
+        walls.append(time.perf_counter() - t0)
+    steps = out[0].metrics.spec_num_drafts or args.output_len
+    wall = sorted(walls)[len(walls) // 2]
+    print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "
+          f"({steps} steps for {args.output_len} tokens)")
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(args.top)
+        print(s.getvalue())
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        run()
+        sync(args.device)
+    kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"{len(kernels) / steps:.1f} device kernels per step, "
+          f"{sum(e.device_time for e in kernels) / steps / 1e3:.3f} ms device time per step")
+    print(p.key_averages().table(sort_by="device_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
