@@ -110,16 +110,24 @@ class NoDeviceReads(TorchFunctionMode):
             self.suspended -= 1
 
 
+def _module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Weights, buffers, and tensors held as plain attributes (cache pools, the draft's fused weight)."""
+    roots = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        roots += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return roots
+
+
 def _roots(owner) -> list[torch.Tensor]:
-    """The device tensors of a capture's owner (the runner, or its PiecewiseCUDAGraphs): persistent input
-    buffers (and the pieces' buffers), weights, buffers and the layers' cache pools."""
+    """The device tensors of a capture's owner (the runner, its PiecewiseCUDAGraphs, or the DSpark proposer):
+    persistent input buffers (and the pieces' buffers), weights, buffers and the layers' cache pools."""
+    if hasattr(owner, "draft"):  # DSparkProposer: its input buffers, the draft's and the target's tensors
+        return [v for v in vars(owner).values() if isinstance(v, torch.Tensor)] + _module_tensors(owner.draft) \
+            + _module_tensors(owner.target)
     roots = [buf.gpu for buf in vars(owner.input_batch).values() if hasattr(buf, "gpu")] \
         if hasattr(owner, "input_batch") else [owner.input_ids]
     roots += tree_leaves(getattr(owner, "buffers", {}))
-    roots += list(owner.model.parameters()) + list(owner.model.buffers())
-    for module in owner.model.modules():
-        roots += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-    return roots
+    return roots + _module_tensors(owner.model)
 
 
 class ReplayByRerun:
@@ -130,7 +138,7 @@ class ReplayByRerun:
         self.guard: NoDeviceReads | None = None
 
     def capture(self, desc, fn, warmup: int = 1) -> None:
-        roots = _roots(fn.func.__self__)  # fn = partial(runner._forward, ...) or partial(pieces._piece, ...)
+        roots = _roots(fn.func.__self__)  # a partial of runner._forward, pieces._piece or proposer._propose_padded
         if self.guard is None:
             self.guard = NoDeviceReads(roots)
         else:  # the pieces' buffers exist only once their first capture has made them

@@ -9,8 +9,9 @@ batch nothing fits runs eagerly.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -139,10 +140,11 @@ class CUDAGraphRunner:
             # One side stream for every warm-up: the caching allocator keeps freed blocks per stream, so a new
             # stream per capture would leave each warm-up's blocks behind, unusable by the next.
             self.side = torch.cuda.Stream()
-        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
 
-    def capture(self, desc: BatchDescriptor, fn: Callable[[], torch.Tensor], warmup: int = 1) -> None:
-        """Record `fn` as the graph for `desc` and keep its output tensor.
+    def capture(self, desc: Hashable, fn: Callable[[], Any], warmup: int = 1) -> None:
+        """Record `fn` as the graph for `desc` (a BatchDescriptor, or the DSpark draft's DraftGraphKey) and keep
+        its output (a tensor, or a tuple of them).
 
         `fn` must read only persistent buffers (tensors that outlive the capture and that the caller refills in
         place before each replay): a graph replays fixed addresses, so a fresh tensor made outside `fn` would be
@@ -161,7 +163,7 @@ class CUDAGraphRunner:
                 out = fn()
         self.graphs[desc] = (graph, out)
 
-    def replay(self, desc: BatchDescriptor) -> torch.Tensor:
+    def replay(self, desc: Hashable) -> Any:
         """Replay the graph for `desc`; returns its (padded) output, which the next replay overwrites."""
         graph, out = self.graphs[desc]
         graph.replay()

@@ -28,7 +28,7 @@ from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences,
                                         VerifyCosts)
-from vllm.spec_decode.dspark import DSparkProposer
+from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
@@ -170,7 +170,9 @@ class ModelRunner:
                              f"{spec.model} has enable_confidence_head=false")
         logger.info("DSpark draft %s: %d layers over target layers %s, K=%d", spec.model,
                     draft.config.num_hidden_layers, list(draft.config.target_layer_ids), self.num_spec)
-        return DSparkProposer(draft, self.model, self.num_spec, self.config.scheduler_config.max_num_batched_tokens)
+        sc = self.config.scheduler_config
+        return DSparkProposer(draft, self.model, self.num_spec, sc.max_num_batched_tokens, sc.max_num_seqs,
+                              -(-sc.max_model_len // self.block_size))
 
     def set_device_trim_hook(self, hook: DeviceTrimHook | None) -> None:
         """Installs the adaptive-verification seam: on a step where every row verifies drafts, the hook gets
@@ -272,11 +274,15 @@ class ModelRunner:
         scratch = allocate_layer_caches(self.hf_config, 1, self.block_size, 1, self.dtype, cc.mamba_ssm_cache_dtype,
                                         self.device, self.conv_history_major)
         self.model.bind_caches(scratch)
+        if self.drafter is not None:
+            self.drafter.allocate_caches(1, self.block_size)
         torch.cuda.synchronize(self.device)
         free_before = self._free_device_bytes()
         trial = CUDAGraphRunner(self.device)
         for desc in largest:
             self._capture_one(trial, desc)
+        for key in self._draft_graph_keys()[:1] if largest else []:
+            self._capture_draft(trial, key)
         pieces = self._piecewise(trial, largest_pieces)
         for size in largest_pieces:
             pieces.capture(size)
@@ -312,23 +318,47 @@ class ModelRunner:
         self.piecewise = self._piecewise(self.graphs, pieces)
         free_before = self._free_device_bytes()
         start = time.monotonic()
-        work = [("full", d) for d in descs] + [("pieces", n) for n in reversed(pieces)]
+        draft_keys = self._draft_graph_keys() if descs else []
+        work = [("full", d) for d in descs] + [("pieces", n) for n in reversed(pieces)] + \
+            [("draft", k) for k in draft_keys]
         for kind, what in tqdm(work, desc="Capturing CUDA graphs"):
             if kind == "full":
                 self._capture_one(self.graphs, what)
-            else:
+            elif kind == "pieces":
                 self._capture_pieces(what)
+            else:
+                self._capture_draft(self.graphs, what)
+        if draft_keys:
+            self.drafter.use_graphs(self.graphs, draft_keys)
         used = free_before - self._free_device_bytes()
         what = [f"{len(descs)} full ({descs[-1].num_tokens}..{descs[0].num_tokens} tokens)"] if descs else []
         if pieces:
             what.append(f"{len(pieces)} x {len(self.model.model.layers) + 1} piecewise ({pieces[0]}..{pieces[-1]} "
                         "tokens)")
+        if draft_keys:
+            what.append(f"{len(draft_keys)} DSpark draft ({draft_keys[-1].num_reqs}..{draft_keys[0].num_reqs} "
+                        f"requests x contexts {self.drafter.graph_contexts[0]}..{self.drafter.graph_contexts[-1]})")
         logger.info("captured CUDA graphs (%s): %s, in %.1f s: %.1f MiB (%.1f MiB were set aside when the cache "
                     "was sized)", self.cudagraph_mode.value, ", ".join(what), time.monotonic() - start,
                     used / 2**20, reserved_bytes / 2**20)
         if used > reserved_bytes > 0:
             logger.warning("the CUDA graphs took %.1f MiB more than was set aside for them; lower "
                            "--gpu-memory-utilization if memory runs short", (used - reserved_bytes) / 2**20)
+
+    def _draft_graph_keys(self) -> list[DraftGraphKey]:
+        """The draft's graphs (none without a DSpark draft): one per request count of the decode graphs and
+        context bucket, largest first. Only decode and verify steps draft, so their request counts occur."""
+        if self.drafter is None:
+            return []
+        return self.drafter.graph_shapes([d.num_reqs for d in self._graph_descriptors()],
+                                         self.config.scheduler_config.max_model_len)
+
+    def _capture_draft(self, graphs: CUDAGraphRunner, key: DraftGraphKey) -> None:
+        try:
+            graphs.capture(key, self.drafter.graph_fn(key))
+        except Exception as e:  # noqa: BLE001 - an op of the draft that syncs with the host
+            raise RuntimeError(f"capturing the DSpark draft's CUDA graph for {key} failed ({type(e).__name__}: "
+                               f"{e}); run with --enforce-eager") from e
 
     def _capture_pieces(self, size: int) -> None:
         try:
@@ -382,8 +412,8 @@ class ModelRunner:
             run = (lambda: self.graphs.replay(desc)) if desc is not None else (lambda: self._forward(n_tokens, common))
             verify[n_tokens] = self._timed(run, repeats)
             zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
-            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs], 1,
-                                                                     with_confidence=True), repeats)
+            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs],
+                                                                     context, with_confidence=True), repeats)
         max_captured = captured[-1] if captured else 0
         costs = VerifyCosts(CostCurve.from_samples(draft, max_captured // per_req),
                             CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST))
@@ -409,9 +439,14 @@ class ModelRunner:
         return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
 
     def _forward(self, num_tokens: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        """The target's forward, then (with a DSpark draft) the step's context into the draft's caches: both in
+        one graph where the step replays one."""
         batch = self.input_batch
-        return self.model(batch.input_ids.gpu[:num_tokens], batch.positions.gpu[:num_tokens],
-                          self._attn_metadata(common))
+        hidden = self.model(batch.input_ids.gpu[:num_tokens], batch.positions.gpu[:num_tokens],
+                            self._attn_metadata(common))
+        if self.drafter is not None:
+            self.drafter.write_context(num_tokens, batch.positions.gpu, common.slot_mapping)
+        return hidden
 
     def _graph_for(self, common: CommonAttentionMetadata) -> BatchDescriptor | None:
         """The captured graph this step replays in, or None to run eagerly."""
@@ -481,13 +516,13 @@ class ModelRunner:
         desc = self._graph_for(common)
         if desc is None and self.piecewise is not None and T <= self.piecewise.max_size:
             hidden = self.piecewise.run(T, self._attn_metadata(common))
+            if self.drafter is not None:
+                self.drafter.write_context(T, self.input_batch.positions.gpu, common.slot_mapping)
         elif desc is None:
             hidden = self._forward(T, common)
         else:
             self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)
             hidden = self.graphs.replay(desc)[:T]
-        if self.drafter is not None:
-            self.drafter.write_context(T, self.input_batch.positions.gpu, common.slot_mapping)
         result = AsyncModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
@@ -550,26 +585,26 @@ class ModelRunner:
         """DSpark drafts for the requests that sampled this step and may speculate, anchored at their newest
         token: a sampling row's token lands at num_computed + num_tokens; a verify row that emitted m tokens
         puts its last at num_computed + m. Everything stays on the device."""
-        anchors, positions, rows = [], [], []
         picked = [(j, r) for j, r in enumerate(sample_rows) if out.scheduled[r].request.speculate]
-        if picked:
-            anchors.append(sampled[async_tensor_h2d([j for j, _ in picked], torch.int64, self.device)])
-            positions.append(async_tensor_h2d([out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens
-                                               for _, r in picked], torch.int64, self.device))
-            rows += [r for _, r in picked]
+        rows = [r for _, r in picked] + verify_rows
+        if not rows:
+            return
+        # One upload: the picked rows' indices among the sampled tokens, each row's anchor position (a verify
+        # row's before its emitted count, which only the device knows), each row's step row (its block table).
+        p, n = len(picked), len(rows)
+        host = [j for j, _ in picked] + [out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens
+                                         for _, r in picked] \
+            + [out.scheduled[r].num_computed_tokens for r in verify_rows] + rows
+        packed = async_tensor_h2d(host, torch.int64, self.device)
+        positions, step_rows = packed[p:p + n], packed[p + n:]
+        anchors = [sampled[packed[:p]]] if picked else []
         if verify_rows:
             emitted = (verified != PLACEHOLDER_TOKEN_ID).sum(1)
             anchors.append(verified.gather(1, (emitted - 1)[:, None]).squeeze(1))
-            start = async_tensor_h2d([out.scheduled[r].num_computed_tokens for r in verify_rows], torch.int64,
-                                     self.device)
-            positions.append(start + emitted)
-            rows += verify_rows
-        if not rows:
-            return
+            positions[p:] += emitted
         max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
-        drafts, confidence = self.drafter.propose(torch.cat(anchors), torch.cat(positions),
-                                                  common.block_table[async_tensor_h2d(rows, torch.int64,
-                                                                                      self.device)], max_context,
+        drafts, confidence = self.drafter.propose(torch.cat(anchors) if len(anchors) > 1 else anchors[0], positions,
+                                                  common.block_table[step_rows], max_context,
                                                   # only the device-trim hook (adaptive) reads them
                                                   with_confidence=self.device_trim_hook is not None)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
