@@ -62,16 +62,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--configs", default="none,ngram:3,dspark:1,dspark:2,dspark:3,dspark:4,dspark:5,dspark:6,"
-                                         "dspark:7,adaptive:7")
+    ap.add_argument("--configs", default="none,dspark:3,adaptive:7,ngram:3,dspark:1,dspark:5,dspark:7,dspark:2,"
+                                         "dspark:4,dspark:6")
     ap.add_argument("--draft", default=str(DEFAULT_DSPARK_DIR))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--answer-len", type=int, default=8)
+    ap.add_argument("--answer-len", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the largest concurrency: fewer graphs to capture")
     ap.add_argument("--out", default="benchmarks/results/gpu/spec_pareto.json")
     ap.add_argument("--plot", help="write the Pareto plot (PNG) here")
     ap.add_argument("--plot-from", help="only plot an earlier run's JSON (the GPU machine has no matplotlib)")
@@ -82,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows, plain, completions = [], {}, {}
-    windows = None
+    windows, report = None, {}
     for name in args.configs.split(","):
         llm = LLM(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-                  gpu_memory_utilization=args.gpu_memory_utilization, speculative_config=spec_config(name, args.draft))
+                  max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                  speculative_config=spec_config(name, args.draft))
         if windows is None:
             windows = heldout_code_windows(llm.get_tokenizer(), [args.prompt_len + args.answer_len]
                                            * max(concurrencies))
@@ -119,18 +121,26 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    answers = [w[args.prompt_len:] for w in windows[:max(concurrencies)]]
-    exact = {name: float(np.mean([out[:args.answer_len] == ref for out, ref in zip(ids, answers)]))
-             for name, ids in completions.items()}
-    prefix = {name: float(np.mean([matched_prefix(out, ref) for out, ref in zip(ids, answers)]))
-              for name, ids in completions.items()}
-    summary = summarise(rows, concurrencies)
-    write_json(args.out, {"meta": metadata(args.device), "argv": sys.argv, "rows": rows,
-                          "exact_match_first_answer_tokens": exact, "mean_matched_prefix_tokens": prefix,
-                          "summary": summary})
-    print({"exact_match": exact, "matched_prefix": prefix, "summary": summary}, flush=True)
+        # After every config, so that a run cut short keeps what it measured.
+        report = results(rows, completions, [w[args.prompt_len:] for w in windows[:max(concurrencies)]],
+                         args.answer_len, concurrencies)
+        write_json(args.out, {"meta": metadata(args.device), "argv": sys.argv, "rows": rows, **report})
+    print(report, flush=True)
     if args.plot:
         plot(rows, args.plot)
+
+
+def results(rows: list[dict], completions: dict[str, list], answers: list[list[int]], answer_len: int,
+            concurrencies: list[int]) -> dict:
+    """Exact match of the first answer tokens and the mean matched prefix per config (at the largest
+    concurrency, every prompt once), and the per-concurrency summary."""
+    return {"exact_match_first_answer_tokens": {name: float(np.mean([out[:answer_len] == ref for out, ref in
+                                                                      zip(ids, answers)]))
+                                                for name, ids in completions.items()},
+            "mean_matched_prefix_tokens": {name: float(np.mean([matched_prefix(out, ref) for out, ref in
+                                                                zip(ids, answers)]))
+                                           for name, ids in completions.items()},
+            "summary": summarise(rows, concurrencies)}
 
 
 def matched_prefix(out: list[int], ref: list[int]) -> int:
