@@ -37,8 +37,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # -1: the whole vocabulary
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI's -100..100)
+    allowed_token_ids: list[int] | None = None  # sample only among these
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -63,6 +65,7 @@ class SamplingParams:
         elif not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self._validate()
+        self._validate_token_maps()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are irrelevant; normalise them so batches stay on the fast path.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -101,16 +104,49 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
              f"<= max_tokens={self.max_tokens}"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             "logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             "prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}] (or None)"),
+            (self.logprobs is None or -1 <= self.logprobs <= MAX_LOGPROBS,
+             "logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}], -1 for the whole vocabulary, or None"),
+            (self.prompt_logprobs is None or -1 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             "prompt_logprobs", self.prompt_logprobs,
+             f"an integer in [0, {MAX_LOGPROBS}], -1 for the whole vocabulary, or None"),
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", self.seed,
              "an integer in [-2**63, 2**64) (or None)"),
         ]
         for ok, name, value, expected in checks:
             if not ok:
                 raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+    def _validate_token_maps(self) -> None:
+        """logit_bias keys may come as strings (JSON object keys): they become ints here."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                    raise ValueError(f"logit_bias[{k!r}] must be a number, got {v!r}")
+                bias[tid] = float(max(-100.0, min(100.0, v)))  # OpenAI clamps to [-100, 100]
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+
+    def token_ids_to_check(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field, for the engine to check against the vocabulary."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": self.allowed_token_ids or []}
+
+    @property
+    def has_logits_processing(self) -> bool:
+        """logit_bias or allowed_token_ids: rows the sampler reshapes (and the rejection sampler cannot)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from code_prompts import heldout_code_ids
+from code_prompts import CODE_PROMPTS, heldout_code_ids
 from hf_oracle import BASE, perturbed_hf_model, save_for_us
 
 from vllm import LLM, SamplingParams
@@ -273,6 +273,10 @@ def test_bad_values_against_the_model_are_refused_before_a_step(make_llm):
     good = prompts([7])
     with pytest.raises(ValueError, match=re.escape("stop_token_ids hold ids outside the vocabulary [0, 4096): [5000]")):
         llm.generate(good, SamplingParams(stop_token_ids=[5000], min_tokens=2, max_tokens=4))
+    with pytest.raises(ValueError, match=re.escape("logit_bias hold ids outside the vocabulary [0, 4096): [-1]")):
+        llm.generate(good, SamplingParams(logit_bias={-1: 2.0}))
+    with pytest.raises(ValueError, match=re.escape("allowed_token_ids hold ids outside the vocabulary")):
+        llm.generate(good, SamplingParams(allowed_token_ids=[3, 4096]))
     with pytest.raises(ValueError, match=r"sampling_params must be a SamplingParams.*SamplingParams\(\*\*your_dict\)"):
         llm.generate(good, {"temperature": 0.0})
     # Upstream clamps top_k to the vocabulary: a huge one keeps every token, the caller's object is unchanged.
@@ -360,3 +364,20 @@ def test_sampling_metadata_is_reused_only_for_the_same_requests(make_llm, monkey
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     _, tokens = run("x", p, seeded)
     assert tokens == token_ids(fresh.generate([p], seeded, use_tqdm=False))[0]
+
+
+def test_logit_processing_rows_decode_without_drafts_beside_speculating_ones(make_llm):
+    """The rejection sampler applies no logit_bias nor allowed_token_ids, so such requests never speculate,
+    while the others in the same batch do; every output equals its run alone without speculation."""
+    code = [{"prompt": p} for p in CODE_PROMPTS[:3]]
+    biased = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=list(range(200)),
+                            logit_bias={7: 3.0})
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [biased, plain, plain]
+    base = make_llm(model=str(DEFAULT_MODEL_DIR))
+    want = [token_ids(base.generate([p], q, use_tqdm=False))[0] for p, q in zip(code, params)]
+    assert all(t < 200 for t in want[0])
+    spec = make_llm(model=str(DEFAULT_MODEL_DIR), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = spec.generate(code, params, use_tqdm=False)
+    assert token_ids(outs) == want
+    assert outs[0].metrics.spec_num_drafts == 0 and outs[1].metrics.spec_num_drafts > 0

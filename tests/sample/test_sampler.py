@@ -299,3 +299,46 @@ def test_penalty_counts_follow_new_tokens_and_reuse_rows():
     counts, seen = store.gather([None, d, None])
     assert counts[1, 4] == 2 and seen[1, 4] and counts[[0, 2]].sum() == 0 and not seen[[0, 2]].any()
     assert 0 not in store.rows.values()
+
+
+def test_logit_bias_and_allowed_token_ids_reshape_exactly_their_rows():
+    """Against a reference built by hand: row 0 biased, row 1 restricted, row 2 both, row 3 untouched."""
+    torch.manual_seed(7)
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0.0, logit_bias={"3": 5.0, 9: -200.0}),
+              SamplingParams(temperature=0.0, allowed_token_ids=[1, 40, 63]),
+              SamplingParams(temperature=0.0, logit_bias={40: 50.0, 2: 80.0}, allowed_token_ids=[1, 40]),
+              SamplingParams(temperature=0.0)]
+    want = logits.clone()
+    want[0, 3] += 5.0
+    want[0, 9] -= 100.0  # clamped to OpenAI's [-100, 100]
+    for r, allowed in ((1, [1, 40, 63]), (2, [1, 40])):
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[allowed] = True
+        want[r] = want[r].masked_fill(~keep, float("-inf"))
+    want[2, 40] += 50.0  # token 2's bias is moot: it is not allowed
+    out = sampler(logits.clone(), meta_for(params))
+    assert out.sampled_token_ids.tolist() == want.argmax(-1).tolist()
+    assert out.sampled_token_ids[2] == 40
+    assert out.sampled_token_ids[1] in (1, 40, 63)
+    # Random rows never leave the allowed set either.
+    rand = [SamplingParams(temperature=1.0, allowed_token_ids=[5, 6])] * 64
+    assert set(sampler(torch.randn(64, V), meta_for(rand)).sampled_token_ids.tolist()) <= {5, 6}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {1: "a"}}, "logit_bias[1] must be a number"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"logprobs": -2}, "logprobs must be"),
+])
+def test_token_map_fields_name_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_logprobs_minus_one_means_the_whole_vocabulary():
+    logits = torch.randn(2, V)
+    out = sampler(logits, meta_for([SamplingParams(logprobs=-1), SamplingParams(logprobs=2)]))
+    assert out.logprobs.token_ids.shape == (2, V + 1)
+    torch.testing.assert_close(out.logprobs.logprobs[0, 1:], logits[0].log_softmax(-1).sort(descending=True).values)

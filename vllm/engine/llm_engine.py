@@ -126,9 +126,10 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}"
                              + ("; build one with SamplingParams(**your_dict)" if isinstance(params, dict) else ""))
         V = self.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"stop_token_ids hold ids outside the vocabulary [0, {V}): {bad[:5]}")
+        for name, ids in params.token_ids_to_check().items():
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"{name} hold ids outside the vocabulary [0, {V}): {bad[:5]}")
         if params.top_k > V:
             params = dataclasses.replace(params, top_k=V)
         return params
@@ -145,10 +146,10 @@ class LLMEngine:
         return outputs
 
     def _can_speculate(self, params: SamplingParams) -> bool:
-        """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans or
-        logprobs: requests asking for those decode one token per step."""
+        """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans, logit
+        biases or logprobs: requests asking for those decode one token per step."""
         return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
-            and params.min_tokens == 0 and not params.has_penalties
+            and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing
 
     def has_unfinished_requests(self) -> bool:
         """Requests left, or a step in flight whose outputs are not processed yet."""

@@ -30,13 +30,17 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None
     prompt_seen: torch.Tensor | None
     banned_token_ids: list[list[int]]  # e.g. stop/eos ids while below min_tokens
-    max_num_logprobs: int | None  # None: no row wants logprobs
+    max_num_logprobs: int | None  # None: no row wants logprobs; -1: a row wants the whole vocabulary
     # Host-side flags let a step skip whole passes without reading the device tensors back. The defaults are
     # the safe ones: with off values a pass changes nothing, it only costs time.
     all_greedy: bool
     no_penalties: bool
     no_min_p: bool = False
     no_top_k_top_p: bool = False
+    # Per row (None where a row has none; the whole field None when no row has any): logit_bias and
+    # allowed_token_ids, applied with the banned ids.
+    logit_bias: list[dict[int, float] | None] | None = None
+    allowed_token_ids: list[list[int] | None] | None = None
 
     @classmethod
     def from_requests(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -70,11 +74,14 @@ class SamplingMetadata:
             output_counts=None if no_penalties else penalty_counts[0],
             prompt_seen=None if no_penalties else penalty_counts[1],
             banned_token_ids=banned_token_ids,
-            max_num_logprobs=max(wanted) if wanted else None,
+            max_num_logprobs=(-1 if -1 in wanted else max(wanted)) if wanted else None,
             all_greedy=all(p.greedy for p in params),
             no_penalties=no_penalties,
             no_min_p=all(p.min_p == 0 for p in params),
             no_top_k_top_p=all(p.top_k == 0 and p.top_p == 1 for p in params),
+            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
+            allowed_token_ids=[p.allowed_token_ids for p in params]
+            if any(p.allowed_token_ids for p in params) else None,
         )
 
 
@@ -100,6 +107,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         if any(meta.banned_token_ids):
             logits = logits.masked_fill(token_counts(meta.banned_token_ids, logits) > 0, float("-inf"))
+        if meta.logit_bias is not None or meta.allowed_token_ids is not None:
+            logits = apply_token_bias(logits, meta)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         sampled = logits.argmax(-1)
@@ -107,7 +116,8 @@ class Sampler:
             sampled = torch.where(meta.temperature == 0, sampled, sample_random(logits, meta))
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+            k = meta.max_num_logprobs
+            logprobs = gather_logprobs(raw_logprobs, sampled, logits.shape[1] if k == -1 else k)
         return SamplerOutput(sampled, logprobs)
 
 
@@ -121,6 +131,23 @@ def token_counts(rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def apply_token_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Each row's logit_bias added, and -inf outside its allowed_token_ids (rows without either unchanged)."""
+    n_rows, vocab = logits.shape
+    if meta.logit_bias is not None:
+        triples = [(r, tid, v) for r, bias in enumerate(meta.logit_bias) for tid, v in (bias or {}).items()]
+        rows, cols, vals = zip(*triples)
+        idx = async_tensor_h2d([rows, cols], torch.int64, logits.device).view(2, -1)
+        bias = torch.zeros(n_rows, vocab, dtype=logits.dtype, device=logits.device)
+        bias.index_put_((idx[0], idx[1]), async_tensor_h2d(vals, logits.dtype, logits.device), accumulate=True)
+        logits = logits + bias
+    if meta.allowed_token_ids is not None:
+        lists = [ids or [] for ids in meta.allowed_token_ids]
+        restricted = async_tensor_h2d([bool(ids) for ids in lists], torch.bool, logits.device)
+        logits = logits.masked_fill(restricted[:, None] & (token_counts(lists, logits) == 0), float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

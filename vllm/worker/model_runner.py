@@ -551,7 +551,8 @@ class ModelRunner:
             for j, r in enumerate(sample_rows):
                 req = out.scheduled[r].request
                 result.sample_rows[req.request_id] = j
-                result.sample_logprob_ks.append(req.sampling_params.logprobs)
+                k = req.sampling_params.logprobs
+                result.sample_logprob_ks.append(self.hf_config.vocab_size if k == -1 else k)
         self._prompt_logprobs(out, hidden, ends, result)
         if self.drafter is not None:
             self._draft(out, common, sample_rows, result.sampled_token_ids, verify_rows, verified, result)
