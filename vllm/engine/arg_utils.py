@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.engine.arg_compat import ENGINE_ARGS, add_upstream_args, check_upstream_args
 from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
                          CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                          VllmConfig)
 from vllm.model_executor.model_loader import load_config, read_config_json, resolve_dtype
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # half, float: upstream's aliases
 CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, as upstream's CPU backend
 
 
@@ -87,11 +88,24 @@ class EngineArgs:
         g.add_argument("--compilation-config", "-O", default=None,
                        help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
                             '"cudagraph_capture_sizes": [1, 2, 4]}\'')
+        add_upstream_args(g, ENGINE_ARGS)  # hidden from --help: see vllm/engine/arg_compat.py
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        check_upstream_args({name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None)
+                             is not None})
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> EngineArgs:
+        """`LLM(...)`'s keywords: ours, then upstream's others (arg_compat), anything else refused by name."""
+        upstream = {k: v for k, v in kwargs.items() if k in ENGINE_ARGS}
+        unknown = set(kwargs) - set(upstream) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine arguments {sorted(unknown)}; see EngineArgs for the accepted ones")
+        check_upstream_args(upstream)
+        return cls(**{k: v for k, v in kwargs.items() if k not in upstream})
 
     def create_engine_config(self) -> VllmConfig:
         raw = read_config_json(self.model)
@@ -147,3 +161,7 @@ class EngineArgs:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device={self.device!r} is invalid: expected auto, cpu or cuda")
         return torch.device(self.device)
+
+
+class AsyncEngineArgs(EngineArgs):
+    """Upstream's arguments for AsyncLLMEngine: the same engine arguments."""

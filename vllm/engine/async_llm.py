@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core import EngineStats, Rejected
 from vllm.engine.core_client import InprocClient, MPClient
-from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptType
 from vllm.envs import enable_multiprocessing
 from vllm.outputs import OutputJoiner, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -153,3 +154,7 @@ class AsyncLLM:
     def on_engine_dead(self, error: Exception) -> None:
         for collector in self.collectors.values():
             collector.put(error)
+
+
+# Upstream's name for the asynchronous engine (its V1 AsyncLLMEngine is this class too).
+AsyncLLMEngine = AsyncLLM

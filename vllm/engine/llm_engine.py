@@ -16,6 +16,7 @@ from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sample.penalties import PenaltyCounts
 from vllm.sample.sampler import SamplingMetadata
@@ -28,7 +29,6 @@ from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelR
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict
 # How many failed steps a request may be part of before it is failed itself (see LLMEngine._contain).
 MAX_FAILED_STEPS = 3
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -17,10 +18,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         if model is not None:
             kwargs["model"] = model
-        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine arguments {sorted(unknown)}; see EngineArgs for the accepted ones")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -51,16 +49,22 @@ class LLM:
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
         return self._run(prompts, [final[id(p)] for p in sampling_params], use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any uses."""
+        return SamplingParams()
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation (or a list of them) and generates."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (or a list of them) and generates. Content
+        may be a string or OpenAI's list of {"type": "text", "text": ...} parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                          chat_template=chat_template)
+            ids = tok.apply_chat_template([text_content(m) for m in conv], add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tokenize=True,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -89,3 +93,17 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finished])
                 raise
         return [finished[i] for i in ids]
+
+
+def text_content(message: dict) -> dict:
+    """The message with list-of-parts content joined into one string (chat templates render strings)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f"message content parts must be {{'type': 'text', 'text': ...}} (the model is text-only), "
+                             f"got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}

@@ -184,5 +184,6 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
         result = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", str(port)],
                                 capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    # The default bind is every interface (upstream's), which a listener on 127.0.0.1 already blocks.
+    assert f"cannot listen on 0.0.0.0:{port}: Address already in use" in result.stderr
     assert "Loading safetensors" not in result.stderr and "attention backends" not in result.stderr

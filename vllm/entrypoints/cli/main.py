@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from vllm.entrypoints.cli import generate, serve
 from vllm.logger import init_logging
@@ -22,9 +24,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of every subcommand."""
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {s for p in subs.choices.values() for s in p._option_string_actions}
+
+
+def expand_config_file(argv: list[str], known: set[str]) -> list[str]:
+    """`--config FILE.yaml` as upstream: the file's keys are flag names (`max-model-len: 512`, `model: DIR`),
+    put before the command line's other arguments, so that the command line wins where both give a flag."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    i = next(i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config="))
+    path = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else None)
+    rest = argv[:i] + argv[i + (1 if "=" in argv[i] else 2):]
+    if path is None:
+        raise ValueError("--config needs a YAML file")
+    import yaml
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read it as YAML ({e})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    flags = []
+    for key, value in loaded.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:  # a --no- form where the flag has one; else false is the flag's default
+            flags += ["--no-" + flag[2:]] if "--no-" + flag[2:] in known else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    command = 1 if rest and not rest[0].startswith("-") else 0  # after the subcommand's name
+    return rest[:command] + flags + rest[command:]
+
+
 def main(argv: list[str] | None = None) -> int:
     init_logging()
     parser = build_parser()
+    try:
+        argv = expand_config_file(list(sys.argv[1:] if argv is None else argv), option_strings(parser))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

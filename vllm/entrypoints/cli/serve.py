@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
+from pathlib import Path
 
+from vllm.engine.arg_compat import IGNORED, UNSUPPORTED, UpstreamArg, add_upstream_args, check_upstream_args
 from vllm.engine.arg_utils import EngineArgs
 
 API_KEY_ENV = "VLLM_API_KEY"
@@ -17,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/detokenize, /health, /version and /metrics over HTTP.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="model directory (same as --model; default: the built-in tiny Kimi-K3)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on (default: every interface, as upstream; 127.0.0.1 for this machine)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients pass as `model` (default: the model path); the first is reported")
@@ -29,7 +33,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies are refused with 413 (default: 1 MiB)")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template text) replacing the tokenizer's own")
+    p.add_argument("--shutdown-timeout", type=float, default=0,
+                   help="on SIGTERM/SIGINT, seconds to let requests in flight finish (new ones get 503) before "
+                        "the rest are aborted (default 0: abort at once)")
+    p.add_argument("--api-server-count", type=int, default=1, help="HTTP server processes (only 1 here)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprob tokens as "token_id:N" (requests may override with the field of that name)')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details in responses")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, asked for or not")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load: the number of /v1 requests in flight")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="GET /tokenizer_info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
+    p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc nor /openapi.json")
+    add_upstream_args(p, SERVER_ARGS)
     EngineArgs.add_cli_args(p)
+
+
+SERVER_ARGS = {a.name: a for a in [
+    UpstreamArg("allowed_origins", IGNORED, "CORS allows any origin, as upstream's default", (), json.loads),
+    UpstreamArg("allowed_methods", IGNORED, "CORS allows any method, as upstream's default", (), json.loads),
+    UpstreamArg("allowed_headers", IGNORED, "CORS allows any header, as upstream's default", (), json.loads),
+    UpstreamArg("allow_credentials", IGNORED, "CORS requests carry no credentials", (), None),
+    UpstreamArg("ssl_keyfile", UNSUPPORTED, "TLS is not built in; put a TLS proxy in front"),
+    UpstreamArg("ssl_certfile", UNSUPPORTED, "TLS is not built in; put a TLS proxy in front"),
+    UpstreamArg("uds", UNSUPPORTED, "the server listens on TCP only"),
+    UpstreamArg("lora_modules", UNSUPPORTED, "LoRA adapters are not supported"),
+    UpstreamArg("middleware", UNSUPPORTED, "extra ASGI middleware is not loaded"),
+    UpstreamArg("response_role", UNSUPPORTED, "answers always have the role assistant", (), str,
+                lambda v: v in (None, "assistant")),
+    UpstreamArg("enable_log_requests", IGNORED, "requests are logged unless --disable-log-requests", (), None,
+                lambda v: v in (None, True)),
+    UpstreamArg("enable_request_id_headers", IGNORED, "responses carry their id in the body", (), None),
+    UpstreamArg("disable_frontend_multiprocessing", IGNORED, "the HTTP server and the engine core are already "
+                "in separate processes as they need", (), None),
+    UpstreamArg("headless", UNSUPPORTED, "there is one process group, with its HTTP server", (), None),
+    UpstreamArg("log_config_file", IGNORED, "logging is configured by VLLM_LOGGING_LEVEL", (), str),
+]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +89,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-body-bytes={args.max_request_body_bytes} is invalid: expected >= 1")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len={args.max_log_len} is invalid: expected >= 0")
+    if args.api_server_count != 1:
+        raise ValueError(f"--api-server-count={args.api_server_count} is not supported by this engine: one HTTP "
+                         "server process serves (it is not the bottleneck of a one-device engine)")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} is invalid: expected seconds >= 0")
+    check_upstream_args({name: getattr(args, name) for name in SERVER_ARGS if getattr(args, name) is not None},
+                        SERVER_ARGS)
+    chat_template = read_chat_template(args.chat_template)
     # The port first: a port in use is reported in a second, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     # Heavy imports only once the arguments are known to be good (`vllm --help` stays fast).
@@ -54,10 +107,30 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=args.served_model_name or [args.model],
                               max_log_len=args.max_log_len, log_requests=not args.disable_log_requests,
                               max_body_bytes=args.max_request_body_bytes,
-                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+                              api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                              chat_template=chat_template,
+                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                              enable_force_include_usage=args.enable_force_include_usage,
+                              enable_server_load_tracking=args.enable_server_load_tracking,
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                              shutdown_timeout_s=args.shutdown_timeout, root_path=args.root_path,
+                              access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         return run_server(engine, settings, sock, args.uvicorn_log_level)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (as upstream)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template={value!r} is neither a file nor a Jinja template")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

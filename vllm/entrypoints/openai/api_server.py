@@ -20,14 +20,14 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                              TokenizeRequest, validation_error)
+                                              TokenizeRequest, ignored_fields, validation_error)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
@@ -66,11 +66,14 @@ async def parse_body(request: Request, model: type[BaseModel], limit: int) -> Ba
         raise APIError(400, f"{where or 'the request body'} holds a lone UTF-16 surrogate (such as \\ud800), "
                             "which is not a character: send valid Unicode text", where or None)
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
     except RecursionError:
         raise APIError(400, "the request body nests arrays or objects too deeply") from None
+    if ignored := ignored_fields(parsed):
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
+    return parsed
 
 
 def _lone_surrogate(data) -> str | None:
@@ -93,6 +96,18 @@ def _lone_surrogate(data) -> str | None:
     return None
 
 
+class _Invocation(BaseModel):
+    """Any JSON object: /invocations routes on its keys, then validates it as what it is."""
+    model_config = ConfigDict(extra="allow")
+
+
+def _revalidate(body: BaseModel, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate(body.model_extra)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 class Guard:
     """ASGI middleware: API key on /v1/* and the body-size limit, answered before any route runs."""
 
@@ -103,7 +118,14 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         error = self.check(scope) if scope["type"] == "http" else None
         if error is None:
-            return await self.app(scope, receive, send)
+            if not (self.settings.enable_server_load_tracking and scope["path"].startswith("/v1/")):
+                return await self.app(scope, receive, send)
+            state = scope["app"].state  # Starlette puts the app in the scope before its middleware runs
+            state.server_load += 1
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                state.server_load -= 1
         if error.status == 413:  # a client still sending would get a reset instead of our answer
             drained, more = 0, True
             while more and drained < _DRAIN_LIMIT:
@@ -114,6 +136,8 @@ class Guard:
 
     def check(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
+        if scope["path"].startswith("/v1") and scope["app"].state.draining:
+            return APIError(503, "the server is shutting down and takes no new requests")
         # A CORS preflight (OPTIONS) carries no credentials by design; the CORS middleware answers it.
         if self.expected is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
@@ -140,14 +164,28 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             app.state.shutdown_task = asyncio.ensure_future(engine.shutdown())
         return app.state.shutdown_task
 
+    def begin_drain() -> None:
+        """--shutdown-timeout: new /v1 requests get 503 (and /health), those in flight go on; whatever is
+        still running when the timeout ends is aborted as begin_shutdown does."""
+        if app.state.draining:
+            return
+        app.state.draining = True
+        logger.info("draining: requests in flight have %.0f s to finish", settings.shutdown_timeout_s)
+        asyncio.get_running_loop().call_later(settings.shutdown_timeout_s, begin_shutdown)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         await begin_shutdown()
 
-    app = FastAPI(title="vllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="vllm OpenAI-compatible server", version=__version__, lifespan=lifespan,
+                  root_path=settings.root_path, **docs)
     app.state.shutdown_task = None
+    app.state.draining = False
+    app.state.begin_drain = begin_drain
+    app.state.server_load = 0  # requests to /v1/* in flight (--enable-server-load-tracking)
     app.state.begin_shutdown = begin_shutdown
     app.add_middleware(Guard, settings=settings)
     # Outermost, so preflights are answered before the key check; upstream's defaults (any origin, no cookies).
@@ -164,7 +202,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if completion.shutting_down or engine.errored else 200)
+        down = completion.shutting_down or app.state.draining or engine.errored
+        return Response(status_code=503 if down else 200)
 
     @app.get("/version")
     async def version() -> dict:
@@ -174,11 +213,22 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": mc.model,
+                "parent": None, "max_model_len": mc.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": mc.model,
-             "max_model_len": mc.max_model_len} for name in settings.served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        completion.check_model(name)
+        return model_card(name)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker's health check
+        return await health()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -188,14 +238,42 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await chat.create(await parse_body(request, ChatCompletionRequest, limit), request)
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt` a completion."""
+        body = await parse_body(request, _Invocation, limit)
+        if "messages" in (body.model_extra or {}):
+            return await chat.create(_revalidate(body, ChatCompletionRequest), request)
+        if "prompt" in (body.model_extra or {}):
+            return await completion.create(_revalidate(body, CompletionRequest), request)
+        raise APIError(400, "an /invocations body needs `messages` (a chat completion) or `prompt` (a completion)")
+
+    if settings.enable_server_load_tracking:
+        @app.get("/load")
+        async def load() -> dict:
+            return {"server_load": app.state.server_load}
+
+    if settings.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict:
+            """What a client needs to rebuild the tokenizer (lm-eval's local-completions reads it)."""
+            tok = engine.tokenizer
+            info = {k: v for k, v in tok.init_kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
+            return {**info, "tokenizer_class": type(tok).__name__, "model_max_length": mc.max_model_len,
+                    "chat_template": settings.chat_template or tok.chat_template,
+                    "eos_token": tok.eos_token, "bos_token": tok.bos_token, "vocab_size": len(tok)}
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req = await parse_body(request, TokenizeRequest, limit)
         completion.check_model(req.model)
         # In a worker thread: tokenizing a long prompt must not stall the event loop (and /health with it).
         ids = await (asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-                     if req.prompt is not None else chat.prompt_ids(req.messages, req.add_generation_prompt))
-        return {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids}
+                     if req.prompt is not None else chat.prompt_ids(req))
+        body = {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return body
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -232,11 +310,12 @@ class Server(uvicorn.Server):
         # with tracebacks, while the graceful one is already bounded (requests aborted at once, stalled
         # clients cut after STALLED_AT_SHUTDOWN_S, GRACEFUL_SHUTDOWN_S at most).
         if self.should_exit:
-            logger.warning("already shutting down (within %d s)", GRACEFUL_SHUTDOWN_S)
+            logger.warning("already shutting down (within %d s)", self.config.timeout_graceful_shutdown)
             return
         self.should_exit = True
         if self.loop is not None:  # signal handlers run between bytecodes: hand the work to the loop
-            self.loop.call_soon_threadsafe(self.app.state.begin_shutdown)
+            drain = self.config.timeout_graceful_shutdown > GRACEFUL_SHUTDOWN_S
+            self.loop.call_soon_threadsafe(self.app.state.begin_drain if drain else self.app.state.begin_shutdown)
 
     async def shutdown(self, sockets=None) -> None:
         reaper = asyncio.ensure_future(self._drop_unflushable())
@@ -271,6 +350,15 @@ class Server(uvicorn.Server):
 def run_server(engine, settings: ServerSettings, sock: socket.socket, log_level: str) -> int:
     """Serves on `sock`, bound by the caller before the model loaded."""
     app = build_app(engine, settings)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # With --shutdown-timeout uvicorn waits that long for open connections (the requests draining) as well.
+    config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + settings.shutdown_timeout_s)
     Server(config, app, settings.served_model_names).run(sockets=[sock])
     return 0
+
+
+if __name__ == "__main__":  # upstream's `python -m vllm.entrypoints.openai.api_server --model ...`
+    import sys
+
+    from vllm.entrypoints.cli.main import main
+    sys.exit(main(["serve", *sys.argv[1:]]))

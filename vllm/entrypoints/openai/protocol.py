@@ -1,9 +1,9 @@
 """OpenAI request bodies as pydantic models, and the error every endpoint answers with.
 
-Models are strict (no "5" for 5, no true for 1) and forbid unknown fields, so a typo'd parameter is a 400 that
-names it rather than a silent default. The only unknown-to-us OpenAI field accepted and ignored is `user`
-(an end-user id for abuse tracking; it changes no output). Fields whose OpenAI meaning we cannot honour
-(`logit_bias`, `suffix`, `tools`, `response_format`, ...) are rejected as unknown.
+Known fields are strict (no "5" for 5, no true for 1), so a wrong value is a 400 that names the field. Unknown
+fields are accepted and ignored with a logged warning, as upstream does: clients built for other servers send
+extras (`user`, `metadata`, ...). Fields we know but cannot honour (`tools`, guided decoding, JSON response
+formats, beam search) are refused with a 400 saying so, rather than ignored into a different answer.
 """
 from __future__ import annotations
 
@@ -13,7 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
-_SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed overflows above 64 bits; n > 1 adds the child index
+# torch.Generator.manual_seed takes 64 bits, signed or unsigned; n > 1 adds the child index (at most 127).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1 - 128
+# Known to upstream's schema, and not something this engine can do: a 400 naming the reason.
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calling is not supported by this server yet",
+    "functions": "function calling is not supported by this server",
+    "guided_json": "guided decoding is not supported by this server",
+    "guided_regex": "guided decoding is not supported by this server",
+    "guided_choice": "guided decoding is not supported by this server",
+    "guided_grammar": "guided decoding is not supported by this server",
+    "structured_outputs": "structured outputs are not supported by this server",
+}
 
 
 class APIError(Exception):
@@ -36,8 +47,6 @@ def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 that names the field (as a dotted path) and what was wrong."""
     err = e.errors(include_url=False)[0]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or None
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"unknown field '{param}': this server does not accept it", param)
     if err["type"] == "missing":
         return APIError(400, f"field '{param}' is required", param)
     msg = err["msg"].removeprefix("Value error, ")
@@ -49,11 +58,43 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, reason in UNSUPPORTED_FIELDS.items():
+                if data.get(name) not in (None, [], False):
+                    raise ValueError(f"{name}: {reason}")
+        return data
+
+
+def ignored_fields(model: BaseModel, path: str = "") -> list[str]:
+    """Dotted paths of the unknown fields in a parsed body (they are ignored; the server logs them)."""
+    out = [f"{path}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel) and not isinstance(item, ChatMessage):  # a message's extras are used
+                out += ignored_fields(item, f"{path}{name}{f'[{i}]' if isinstance(value, list) else ''}.")
+    return out
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, not only the last
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"response_format type {self.type!r} needs structured outputs, which this server "
+                             "does not support; use {\"type\": \"text\"}")
+        return self
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -67,7 +108,7 @@ class SamplingRequest(OpenAIBaseModel):
     n: int = Field(1, ge=1, le=128)
     stop: Any = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0, le=_SEED_MAX)
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -77,7 +118,22 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored (see module docstring)
+    user: str | None = None  # an end-user id for abuse tracking: changes no output
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (default: the server flag)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the last N prompt tokens
+    response_format: ResponseFormat | None = None
+    use_beam_search: bool = False
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("beam search is not supported by this server")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -99,11 +155,15 @@ class SamplingRequest(OpenAIBaseModel):
         metrics see every step either way."""
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                   "frequency_penalty", "repetition_penalty")}
+        if self.prompt_logprobs is not None:  # asked for directly, beside what echo needs: the larger
+            asked = (self.prompt_logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
+            prompt_logprobs = -1 if -1 in asked else max(asked)
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
             **{k: v for k, v in optional.items() if v is not None})
 
@@ -137,15 +197,17 @@ class TextPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any
+    """Any role (the chat template decides what it means); keys beyond these go to the template as given."""
+    role: str
+    content: Any = None
     name: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _content(cls, v: Any) -> str:
-        """Text only: a string or a list of {"type": "text", "text": ...} parts, joined."""
-        if isinstance(v, str):
+    def _content(cls, v: Any) -> str | None:
+        """Text only: a string or a list of {"type": "text", "text": ...} parts, joined; null (an assistant turn
+        that only called tools) stays null."""
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
             try:
@@ -162,6 +224,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open and continued
+    echo: bool = False  # the response starts with the last message's content when its role is the answer's
+    chat_template: str | None = None  # a Jinja template for this request (default: the server's)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    tool_choice: Any = None  # "none" (or absent) only: tools are refused above
 
     @model_validator(mode="after")
     def _chat_fields(self):
@@ -169,6 +236,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message, so add_generation_prompt must "
+                             "be false")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which this server does not support")
         return self
 
 
@@ -178,6 +250,10 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):

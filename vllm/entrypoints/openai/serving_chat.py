@@ -10,27 +10,36 @@ from contextlib import aclosing
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
-from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
-from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, sse, started,
-                                                    until_disconnect, usage)
+from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
+                                                    started, until_disconnect)
 from vllm.outputs import Logprob, OutputJoiner
+
+ROLE = "assistant"  # the role of every answer
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree; rendered and
-        tokenized in a worker thread, off the event loop."""
-        conversation = [m.model_dump(exclude_none=True) for m in messages]
+        tokenized in a worker thread, off the event loop. The request's template beats --chat-template, which
+        beats the tokenizer's own."""
+        conversation = [m.model_dump(exclude_none=True) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template or self.settings.chat_template
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, conversation,
-                                          add_generation_prompt=add_generation_prompt, tokenize=True)
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          continue_final_message=req.continue_final_message, tokenize=True,
+                                          chat_template=template, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is about these messages
             raise APIError(400, f"messages could not be rendered by the chat template: {e}", "messages") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        ids = await self.prompt_ids(req.messages, req.add_generation_prompt)
+        ids = await self.prompt_ids(req)
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens:]
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         try:
             params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -44,49 +53,87 @@ class OpenAIServingChat(OpenAIServing):
             return SSEResponse(self.stream(req, await started(outputs), base), self.stall_limit)
         return await until_disconnect(raw, self.full(req, outputs, base))
 
+    @staticmethod
+    def echoed(req: ChatCompletionRequest) -> str:
+        """With echo, the answer starts with the last message's content when that message has the answer's role."""
+        last = req.messages[-1]
+        return (last.content or "") if req.echo and last.role == ROLE else ""
+
     async def full(self, req: ChatCompletionRequest, outputs, base: dict) -> Response:
         joined = OutputJoiner()
         async with aclosing(outputs):
             async for _, out in outputs:
                 joined.add(out)
         last = joined.pop()
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs(c.token_ids, c.logprobs, req.top_logprobs),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in last.outputs]
-        return JSONResponse({**base, "object": "chat.completion", "choices": choices,
-                             "usage": usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))})
+        echo = self.echoed(req)
+        choices = []
+        for c in last.outputs:
+            choice = {"index": c.index, "message": {"role": ROLE, "content": echo + c.text},
+                      "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = {**base, "object": "chat.completion", "choices": choices,
+                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = last.prompt_token_ids
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs)
+        return JSONResponse(body)
 
     async def stream(self, req: ChatCompletionRequest, outputs, base: dict):
         base = {**base, "object": "chat.completion.chunk"}
         prompt_tokens, completion_tokens = 0, 0
+        final_usage, continuous = self.include_usage(req)
+        echo = self.echoed(req)
         try:
-            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None} for i in range(req.n)]})
+            first = True
             async with aclosing(outputs):
                 async for _, out in outputs:  # deltas: each piece of text, ids and logprobs comes once
                     prompt_tokens = len(out.prompt_token_ids)
+                    if first:  # the role chunk, with what belongs to the prompt
+                        first = False
+                        chunk = {**base, "choices": [{"index": i, "delta": {"role": ROLE, "content": echo},
+                                                      "logprobs": None, "finish_reason": None}
+                                                     for i in range(req.n)]}
+                        if req.return_token_ids:
+                            chunk["prompt_token_ids"] = out.prompt_token_ids
+                        if req.prompt_logprobs is not None:
+                            chunk["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                        yield sse(self._with_usage(chunk, continuous, prompt_tokens, completion_tokens))
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
                         if not (c.text or c.finish_reason or (c.token_ids and c.logprobs is not None)):
                             continue  # text held back (a possible stop string) and no logprobs to send
-                        yield sse({**base, "choices": [{
-                            "index": c.index, "delta": {"content": c.text} if c.text else {},
-                            "logprobs": self.logprobs(c.token_ids, c.logprobs, req.top_logprobs),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                        choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                  "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if req.return_token_ids:
+                            choice["token_ids"] = c.token_ids
+                        yield sse(self._with_usage({**base, "choices": [choice]}, continuous, prompt_tokens,
+                                                   completion_tokens))
+            if final_usage:
+                yield sse({**base, "choices": [], "usage": self.settings.usage(prompt_tokens, completion_tokens)})
         except APIError as e:  # headers are gone: the error becomes the stream's last event
             yield sse(e.body())
         yield DONE
 
-    @staticmethod
-    def logprobs(ids: list[int], rows: list[dict[int, Logprob]] | None, k: int | None) -> dict | None:
+    def _with_usage(self, chunk: dict, continuous: bool, prompt_tokens: int, completion_tokens: int) -> dict:
+        if continuous:
+            chunk["usage"] = self.settings.usage(prompt_tokens, completion_tokens)
+        return chunk
+
+    def logprobs(self, req: ChatCompletionRequest, ids: list[int],
+                 rows: list[dict[int, Logprob]] | None) -> dict | None:
         if rows is None:
             return None
+        k = req.top_logprobs
 
-        def entry(lp: Logprob) -> dict:
-            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+        def entry(tid: int, lp: Logprob) -> dict:
+            token = self.token_label(req, tid, lp.decoded_token)
+            return {"token": token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
         # A row holds the sampled token (any rank) and the top k (ranks 1..k); top_logprobs is the top k.
-        return {"content": [{**entry(row[tid]), "top_logprobs": [
-            entry(lp) for lp in sorted(row.values(), key=lambda lp: lp.rank) if lp.rank <= (k or 0)]}
+        return {"content": [{**entry(tid, row[tid]), "top_logprobs": [
+            entry(t, lp) for t, lp in sorted(row.items(), key=lambda item: item[1].rank) if lp.rank <= (k or 0)]}
             for tid, row in zip(ids, rows)]}

@@ -9,8 +9,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import APIError, CompletionRequest
-from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, sse, started,
-                                                    until_disconnect, usage)
+from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
+                                                    started, until_disconnect)
 from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 
 
@@ -24,13 +24,18 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise self.error(e) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        for i, p in enumerate(req.prompt):
+        prompts = req.prompt
+        if req.truncate_prompt_tokens is not None:  # the last N tokens of each prompt
+            n = req.truncate_prompt_tokens
+            prompts = [{"prompt_token_ids": (p if isinstance(p, list) else self.engine.tokenizer.encode(p))[-n:]}
+                       for p in prompts]
+        for i, p in enumerate(prompts):
             self.log_request(f"{request_id}-{i}", p, params)
         run = _Run(self, req, request_id)
         if req.stream:  # bad input raises before the response starts
-            return SSEResponse(run.stream(await started(self.generate(req.prompt, params, request_id))),
+            return SSEResponse(run.stream(await started(self.generate(prompts, params, request_id))),
                                self.stall_limit)
-        return await until_disconnect(raw, run.full(self.generate(req.prompt, params, request_id)))
+        return await until_disconnect(raw, run.full(self.generate(prompts, params, request_id)))
 
 
 class _Run:
@@ -47,7 +52,19 @@ class _Run:
         return prompt_index * self.req.n + c.index
 
     def usage(self) -> dict:
-        return usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return self.serving.settings.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+
+    def extras(self, out: RequestOutput, c: CompletionOutput | None, first: bool) -> dict:
+        """The vLLM extension fields of a choice: token ids (return_token_ids), prompt_logprobs; the prompt's
+        only with its first chunk."""
+        extra = {}
+        if self.req.return_token_ids:
+            if first:
+                extra["prompt_token_ids"] = out.prompt_token_ids
+            extra["token_ids"] = c.token_ids
+        if self.req.prompt_logprobs is not None and first:
+            extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return extra
 
     def count(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
@@ -74,7 +91,8 @@ class _Run:
                     lps = (out.prompt_logprobs or []) + (lps or []) if lps is not None else None
                 choices.append({"index": self.index(i, c), "text": text,
                                 "logprobs": self.logprobs(ids, lps, 0) if lps is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                **self.extras(out, c, True)})
         choices.sort(key=lambda ch: ch["index"])
         return JSONResponse({**self.base, "choices": choices, "usage": self.usage()})
 
@@ -82,6 +100,7 @@ class _Run:
         started: set[int] = set()  # choices that have had a chunk (the echo goes with the first)
         offsets: dict[int, int] = {}
         prompt_lps: dict[int, list] = {}  # per prompt: its logprobs come once, in its first delta
+        final_usage, continuous = self.serving.include_usage(self.req)
         try:
             async with aclosing(outputs):
                 async for i, out in outputs:  # deltas: each piece of text, ids and logprobs comes once
@@ -95,16 +114,22 @@ class _Run:
                             text = self.prompt_text(out) + text
                             ids = out.prompt_token_ids + ids
                             lps = prompt_lps.get(i, []) + lps if lps is not None else None
-                        if not (text or c.finish_reason or (ids and lps is not None)):
+                        first = k not in started
+                        if not (text or c.finish_reason or (ids and lps is not None) or (
+                                first and (self.req.return_token_ids or self.req.prompt_logprobs is not None))):
                             continue  # the detokenizer held text back (a possible stop string): nothing to say
                         started.add(k)
                         logprobs = self.logprobs(ids, lps, offsets.get(k, 0)) if lps is not None else None
                         if logprobs is not None:
                             offsets[k] = offsets.get(k, 0) + sum(len(t) for t in logprobs["tokens"])
-                        yield sse({**self.base, "choices": [{"index": k, "text": text, "logprobs": logprobs,
-                                                            "finish_reason": c.finish_reason,
-                                                            "stop_reason": c.stop_reason}]})
-            if self.req.stream_options and self.req.stream_options.include_usage:
+                        chunk = {**self.base, "choices": [{"index": k, "text": text, "logprobs": logprobs,
+                                                           "finish_reason": c.finish_reason,
+                                                           "stop_reason": c.stop_reason,
+                                                           **self.extras(out, c, first)}]}
+                        if continuous:
+                            chunk["usage"] = self.usage()
+                        yield sse(chunk)
+            if final_usage:
                 yield sse({**self.base, "choices": [], "usage": self.usage()})
         except APIError as e:  # headers are gone: the error becomes the stream's last event
             yield sse(e.body())
@@ -119,9 +144,10 @@ class _Run:
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, row in zip(ids, lps):
             tok = row[tid].decoded_token if row else self.tokenizer.decode([tid])
-            tokens.append(tok)
+            tokens.append(self.serving.token_label(self.req, tid, tok))
             token_lps.append(row[tid].logprob if row else None)
-            tops.append({lp.decoded_token: lp.logprob for lp in row.values()} if row else None)
+            tops.append({self.serving.token_label(self.req, t, lp.decoded_token): lp.logprob
+                         for t, lp in row.items()} if row else None)
             offsets.append(offset)
             offset += 0 if tid in skipped else len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

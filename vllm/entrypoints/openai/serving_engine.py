@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
-from vllm.outputs import RequestOutput
+from vllm.outputs import PromptLogprobs, RequestOutput
 from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllm.entrypoints.openai")
@@ -32,15 +32,37 @@ class ServerSettings:
     log_requests: bool = True
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
+    chat_template: str | None = None  # --chat-template (its text); None: the tokenizer's own
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details
+    enable_force_include_usage: bool = False  # every stream ends with usage, asked for or not
+    enable_server_load_tracking: bool = False  # GET /load: requests in flight
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+    shutdown_timeout_s: float = 0.0  # how long a signal lets requests in flight finish
+    root_path: str = ""
+    access_log: bool = True
+    docs: bool = True  # FastAPI's /docs, /redoc, /openapi.json
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+               "total_tokens": prompt_tokens + completion_tokens}
+        if self.enable_prompt_tokens_details:
+            out["prompt_tokens_details"] = {"cached_tokens": 0}  # no prefix caching: nothing is ever cached
+        return out
 
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def prompt_logprobs_json(rows: PromptLogprobs | None) -> list | None:
+    """Upstream's prompt_logprobs: per prompt token None (the first has none) or {id: {logprob, rank,
+    decoded_token}}."""
+    if rows is None:
+        return None
+    return [None if row is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for tid, lp in row.items()}
+            for row in rows]
 
 
 class SSEResponse(StreamingResponse):
@@ -123,6 +145,19 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
+
+    def include_usage(self, req) -> tuple[bool, bool]:
+        """(usage at the end of the stream, usage in every chunk) for a streaming request."""
+        opts = req.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats)
+        return bool(opts and opts.include_usage) or self.settings.enable_force_include_usage or continuous, \
+            continuous
+
+    def token_label(self, req, tid: int, text: str) -> str:
+        """A logprob entry's token: its text, or "token_id:N" (--return-tokens-as-token-ids, or the field)."""
+        as_ids = req.return_tokens_as_token_ids
+        return f"token_id:{tid}" if (self.settings.return_tokens_as_token_ids if as_ids is None else as_ids) \
+            else text
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.settings.served_model_names:
