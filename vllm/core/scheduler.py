@@ -57,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        self.num_preemptions_total = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -171,6 +172,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         req.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.requeue(req)
 
     def requeue(self, req: Request) -> None:

@@ -16,15 +16,19 @@ The process protocol: one pipe each way, one pickled tuple per message.
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
 import logging
 import pickle
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptType
 from vllm.engine.serial_utils import pack_outputs
 from vllm.logger import init_logging
 from vllm.outputs import RequestOutput
@@ -52,6 +56,28 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     spec_decode: SpecDecodeStats | None = None  # engine-wide speculative-decoding counters
+    num_preemptions_total: int = 0
+    iteration_tokens: IterationTokens | None = None  # tokens per engine step, as a histogram
+
+
+# Upstream's buckets for vllm:iteration_tokens_total.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class IterationTokens:
+    """A histogram of tokens per step kept as plain counts, so that it crosses the process pipe as data."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))  # the last: +Inf
+    total: int = 0
+
+    def observe(self, tokens: int) -> None:
+        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.total += tokens
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, count of steps with at most le tokens), Prometheus' bucket form."""
+        edges = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        return list(zip(edges, itertools.accumulate(self.counts)))
 
 
 Rejected = list[tuple[str, Exception]]
@@ -67,6 +93,8 @@ class EngineCore:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.prompt_tokens_total = 0
+        self.iteration_tokens = IterationTokens()
+        self._counted = None  # the engine's last step already counted
         self.mean_step_s: float | None = None  # exponential moving mean of step times
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Exception | None:
@@ -99,6 +127,9 @@ class EngineCore:
             error = RuntimeError(f"the engine failed while running this request: {e}")
             return [], [(rid, error) for rid in request_ids]
         seconds = time.perf_counter() - start
+        if self.engine.last_scheduled is not self._counted:  # a step ran (one with nothing scheduled sets none)
+            self._counted = self.engine.last_scheduled
+            self.iteration_tokens.observe(sum(s.num_tokens for s in self._counted.scheduled))
         mean = self.mean_step_s
         self.mean_step_s = seconds if mean is None else 0.95 * mean + 0.05 * seconds
         if (mean is not None and seconds >= max(SLOW_STEP_S, SLOW_STEP_OVER_MEAN * mean)
@@ -116,7 +147,8 @@ class EngineCore:
         return EngineStats(len(sched.running), len(sched.waiting), blocks, slots, kv.block_pool.num_free,
                            kv.block_pool.num_blocks, len(kv.free_slots), kv.num_state_slots - 1,
                            self.prompt_tokens_total, engine.output_processor.num_generation_tokens,
-                           engine.spec_decode_stats)
+                           engine.spec_decode_stats, sched.num_preemptions_total,
+                           dataclasses.replace(self.iteration_tokens, counts=list(self.iteration_tokens.counts)))
 
 
 def portable(error: BaseException) -> Exception:

@@ -164,6 +164,17 @@ def test_metrics_parse_and_move(server, client, read_metrics):
         assert after[f"vllm:{h}_count"] == before[f"vllm:{h}_count"] + 1
     assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 4
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    # Upstream's per-request histograms: one observation each, with the request's sizes.
+    for h in ("queue", "prefill", "decode", "inference"):
+        assert after[f"vllm:request_{h}_time_seconds_count"] == before[f"vllm:request_{h}_time_seconds_count"] + 1
+    assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 5
+    assert after["vllm:request_params_max_tokens_sum"] == before["vllm:request_params_max_tokens_sum"] + 5
+    assert after["vllm:time_per_output_token_seconds_count"] == before["vllm:time_per_output_token_seconds_count"] + 1
+    # Engine steps: a prefill of the prompt and 4 decode steps (the 5th token comes from the prefill).
+    assert after["vllm:iteration_tokens_total_count"] == before["vllm:iteration_tokens_total_count"] + 5
+    assert after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"] == \
+        after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] + 4
+    assert after["vllm:cache_config_info"] == 1 and "vllm:num_preemptions_total" in after
 
 
 def test_openai_client_sees_errors_as_exceptions(client):

@@ -8,8 +8,12 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 
@@ -17,6 +21,12 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 class _EngineCollector:
     def __init__(self, engine, model_name: str) -> None:
         self.engine, self.labels = engine, {"model_name": model_name}
+
+    def cache_info(self, s) -> dict[str, str]:
+        cc = self.engine.config.cache_config
+        return {"block_size": str(cc.block_size), "num_gpu_blocks": str(s.num_blocks),
+                "num_state_slots": str(s.num_slots), "cache_dtype": "auto",
+                "gpu_memory_utilization": str(cc.gpu_memory_utilization), "enable_prefix_caching": "False"}
 
     def collect(self):
         s = self.engine.stats()
@@ -30,7 +40,8 @@ class _EngineCollector:
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         counters = [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
-                    ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)]
+                    ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+                    ("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions_total)]
         spec = s.spec_decode
         if spec is not None:
             counters += [("vllm:spec_decode_num_drafts", "Verifications with at least one draft token.",
@@ -39,6 +50,16 @@ class _EngineCollector:
                          ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
+        if s.iteration_tokens is not None:
+            h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.",
+                                      labels=list(self.labels))
+            h.add_metric(list(self.labels.values()), s.iteration_tokens.cumulative(), s.iteration_tokens.total)
+            yield h
+        labels = self.cache_info(s)
+        info = GaugeMetricFamily("vllm:cache_config_info", "The cache's configuration (value 1).",
+                                 labels=list(labels))
+        info.add_metric(list(labels.values()), 1)
+        yield info
         if spec is not None:
             c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted, by position in the draft.",
@@ -67,6 +88,22 @@ class Metrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Time from request arrival to its last output.")
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Time per output token after the first.")
+        self.phases = {phase: hist(f"vllm:request_{phase}_time_seconds", doc) for phase, doc in [
+            ("queue", "Time from arrival to first being scheduled."),
+            ("prefill", "Time from first being scheduled to the first token."),
+            ("decode", "Time from the first token to the last."),
+            ("inference", "Time from first being scheduled to the last token.")]}
+
+        def sizes(name, doc):
+            return Histogram(name, doc, label, buckets=_TOKEN_BUCKETS, registry=self.registry).labels(model_name)
+        self.prompt_tokens = sizes("vllm:request_prompt_tokens", "Prompt tokens per request.")
+        self.generation_tokens = sizes("vllm:request_generation_tokens", "Generated tokens per request (all samples).")
+        self.max_generation_tokens = sizes("vllm:request_max_num_generation_tokens",
+                                           "The longest sample's generated tokens per request.")
+        self.params_max_tokens = sizes("vllm:request_params_max_tokens", "max_tokens per request.")
+        self.params_n = Histogram("vllm:request_params_n", "n per request.", label, buckets=(1, 2, 5, 10, 20),
+                                  registry=self.registry).labels(model_name)
         self.model_name = model_name
 
     def render(self) -> bytes:
@@ -96,7 +133,25 @@ class RequestTimer:
                 self.metrics.itl.observe(gap)
         self.last, self.tokens = now, num_tokens
 
-    def finish(self, finish_reasons: list[str | None]) -> None:
-        self.metrics.e2e.observe(time.monotonic() - self.start)
-        for reason in finish_reasons:
-            self.metrics.success.labels(self.metrics.model_name, reason or "abort").inc()
+    def finish(self, out: RequestOutput, params: SamplingParams, generated: list[int]) -> None:
+        """`out`: the request's last output (its engine timestamps); `generated`: tokens per sample."""
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.start)
+        for c in out.outputs:
+            m.success.labels(m.model_name, c.finish_reason or "abort").inc()
+        m.prompt_tokens.observe(len(out.prompt_token_ids))
+        m.generation_tokens.observe(sum(generated))
+        m.max_generation_tokens.observe(max(generated, default=0))
+        m.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            m.params_max_tokens.observe(params.max_tokens)
+        t = out.metrics
+        if t is None or t.first_scheduled_time is None:
+            return
+        m.phases["queue"].observe(t.first_scheduled_time - t.arrival_time)
+        if t.first_token_time is not None and t.last_token_time is not None:
+            m.phases["prefill"].observe(t.first_token_time - t.first_scheduled_time)
+            m.phases["decode"].observe(t.last_token_time - t.first_token_time)
+            m.phases["inference"].observe(t.last_token_time - t.first_scheduled_time)
+            if max(generated, default=0) > 1:
+                m.tpot.observe((t.last_token_time - t.first_token_time) / (max(generated) - 1))

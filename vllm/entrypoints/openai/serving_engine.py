@@ -216,7 +216,7 @@ class OpenAIServing:
                 timers[i].update(max(tokens[i].values()))
                 if item.finished:
                     finished += 1
-                    timers[i].finish([c.finish_reason for c in item.outputs])
+                    timers[i].finish(item, params, list(tokens[i].values()))
                     if any(c.finish_reason == "abort" for c in item.outputs):
                         # Only shutdown aborts a request whose client is still listening.
                         raise APIError(503, "the server is shutting down; the request was aborted")
