@@ -42,6 +42,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI's -100..100)
     allowed_token_ids: list[int] | None = None  # sample only among these
     skip_special_tokens: bool = True
+    # Upstream's switch for slow tokenizers' decode. With a fast tokenizer (all this engine loads) special tokens
+    # are joined without spaces either way, as upstream's fast-tokenizer path does; accepted for its callers.
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
@@ -84,7 +87,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):

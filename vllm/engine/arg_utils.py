@@ -133,7 +133,8 @@ class EngineArgs:
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      kv_cache_memory_bytes=kv_bytes,
                                      mamba_ssm_cache_dtype=STATE_DTYPES[self.mamba_ssm_cache_dtype]),
-            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+            scheduler_config=SchedulerConfig(max_num_seqs=EngineArgs.max_num_seqs if self.max_num_seqs is None
+                                             else self.max_num_seqs,  # None: the default, as upstream
                                              max_num_batched_tokens=self.max_num_batched_tokens
                                              or DEFAULT_BATCHED_TOKENS[device.type],
                                              max_model_len=max_model_len, async_scheduling=async_scheduling),

@@ -151,6 +151,11 @@ class LLMEngine:
         return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
             and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing
 
+    @property
+    def model_config(self):
+        """Upstream's `llm.llm_engine.model_config` (max_model_len, dtype, ...)."""
+        return self.config.model_config
+
     def has_unfinished_requests(self) -> bool:
         """Requests left, or a step in flight whose outputs are not processed yet."""
         return self.scheduler.num_unfinished > 0 or self.in_flight is not None

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,11 +27,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A single prompt may be passed bare (string, dict or token ids).
 
         A prompt whose step fails (an engine bug its input triggers) comes back with finish_reason "error" and
         `error` set; the other prompts of the call are unaffected."""
+        if lora_request is not None:
+            raise ValueError(f"lora_request={lora_request!r}: this engine serves no LoRA adapters")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -12,7 +12,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vllm.model_executor.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 
 
-def get_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+def get_tokenizer(path: str | Path, *, tokenizer_mode: str = "auto", trust_remote_code: bool = False,
+                  revision: str | None = None, **kwargs) -> PreTrainedTokenizerBase:
+    """The tokenizer in a local directory. Upstream's keywords are taken so that callers of its get_tokenizer
+    (lm-eval) run; those asking for what this loader does not do are refused by name. Other keywords go to
+    AutoTokenizer.from_pretrained."""
+    if trust_remote_code:
+        raise ValueError("trust_remote_code=True is not supported yet: tokenizers load without remote code")
+    if revision is not None:
+        raise ValueError(f"revision={revision!r}: tokenizers load from local directories only")
+    if tokenizer_mode not in ("auto", "hf", "slow"):
+        raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported; expected auto")
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointNotFoundError(f"no tokenizer in {path}: expected tokenizer.json or tokenizer_config.json "
@@ -22,7 +32,7 @@ def get_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), **kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the library raises, the message must name the files
         # The tokenizers library reports a corrupt file without naming it.
         files = [f.name for f in sorted(path.glob("tokenizer*.json")) + sorted(path.glob("special_tokens_map.json"))]

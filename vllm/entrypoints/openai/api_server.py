@@ -261,7 +261,8 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             info = {k: v for k, v in tok.init_kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
             return {**info, "tokenizer_class": type(tok).__name__, "model_max_length": mc.max_model_len,
                     "chat_template": settings.chat_template or tok.chat_template,
-                    "eos_token": tok.eos_token, "bos_token": tok.bos_token, "vocab_size": len(tok)}
+                    "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                    "vocab_size": len(tok)}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
