@@ -250,3 +250,45 @@ def test_sigterm_drains_requests_in_flight_within_shutdown_timeout(start_server)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the whole answer, not an abort
     assert s.proc.wait(30) == 0
     assert "draining: requests in flight have 60 s to finish" in Path(s.err.name).read_text()
+
+
+def _cli(*args: str, stdin: str | None = None):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_vllm_complete_and_chat_against_the_server(server):
+    done = _cli("complete", "--url", server.url + "/v1", "--max-tokens", "4", "-q", PROMPT)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    chat = _cli("chat", "--url", server.url + "/v1", "--max-tokens", "3", stdin="Hi\nAgain\n")
+    assert chat.returncode == 0 and chat.stdout.count("> ") == 3, chat.stdout  # two turns, then end of input
+    down = _cli("complete", "--url", "http://127.0.0.1:9/v1", "-q", "x")
+    assert down.returncode == 2 and "cannot reach the server at http://127.0.0.1:9/v1" in down.stderr
+
+
+def test_run_batch_answers_each_line_in_order(tmp_path, offline_llm):
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": MESSAGES, "max_tokens": 3}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 0}},
+             {"custom_id": "d", "method": "POST", "url": "/v1/embeddings", "body": {}}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines) + "not json\n")
+    r = _cli("run-batch", "-i", str(src), "-o", str(dst), "--max-model-len", "512")
+    assert r.returncode == 0 and "5 requests, 3 failed" in r.stdout, r.stderr
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["a", "b", "c", "d", None]
+    want = offline_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out[0]["response"]["body"]["choices"][0]["text"] == want.outputs[0].text and out[0]["error"] is None
+    assert out[1]["response"]["body"]["object"] == "chat.completion"
+    assert out[2]["response"]["status_code"] == 400 and "max_tokens must be" in out[2]["error"]["message"]
+    assert "url must be POST and one of" in out[3]["error"]["message"] and out[3]["response"] is None
+    assert out[4]["error"] is not None
+
+
+def test_collect_env():
+    r = _cli("collect-env")
+    assert r.returncode == 0 and "vllm: " in r.stdout and "torch: " in r.stdout and "cuda_available: " in r.stdout
