@@ -4,10 +4,12 @@
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8123 --num-prompts 64 --max-concurrency 16 \
         --input-len 64 --output-len 32 --out benchmarks/results/cpu/serve_cpu.json
 
-Only loopback servers are accepted (127.0.0.0/8, localhost, ::1). Prompts are random token ids in
-[5, --vocab-size) sent as `prompt: [ids]`, lengths uniform in len*(1 -/+ --range-ratio); or, with --dataset FILE,
-random slices of the file's words. Requests arrive as a Poisson process at --request-rate (inf: all at once),
-at most --max-concurrency in flight. Each request is greedy with ignore_eos and exactly max_tokens wanted.
+The load generator is vllm/benchmarks/serve.py (also `vllm bench serve`); this script adds the loopback
+check, the JSON record and the plots. Only loopback servers are accepted (127.0.0.0/8, localhost, ::1).
+Prompts are random token ids in [5, --vocab-size) sent as `prompt: [ids]`, lengths uniform in
+len*(1 -/+ --range-ratio); or, with --dataset FILE, random slices of the file's words. Requests arrive as a
+Poisson process at --request-rate (inf: all at once), at most --max-concurrency in flight. Each request is
+greedy with ignore_eos and exactly max_tokens wanted.
 TTFT: send -> first chunk with non-empty text (or, with --every-token, with a token); ITL: gaps between later
 such chunks; TPOT: (e2e - ttft) / (output_tokens - 1), output tokens from the final `usage` chunk (or the count
 of text chunks without one).
@@ -19,16 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import json
 import math
 import random
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
-import httpx
 import matplotlib
 import numpy as np
 
@@ -37,6 +36,8 @@ import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import metadata, write_json
+
+from vllm.benchmarks.serve import latency_series, make_prompts, run_load
 
 
 def check_loopback(base_url: str) -> str:
@@ -51,110 +52,6 @@ def check_loopback(base_url: str) -> str:
         raise ValueError(f"--base-url {base_url!r}: only http(s) to a loopback host (127.0.0.0/8, localhost, ::1) "
                          "is allowed")
     return base_url.rstrip("/")
-
-
-def make_prompts(args, rng: random.Random) -> list[tuple[object, int, int]]:
-    """(prompt, prompt_len, max_tokens) per request."""
-    def length(n: int) -> int:
-        return max(1, rng.randint(math.floor(n * (1 - args.range_ratio)), math.ceil(n * (1 + args.range_ratio))))
-    words = Path(args.dataset).read_text(errors="replace").split() if args.dataset else None
-    if words is not None and not words:
-        raise ValueError(f"--dataset {args.dataset}: no words")
-    out = []
-    for _ in range(args.num_prompts):
-        n, m = length(args.input_len), length(args.output_len)
-        if words is None:
-            out.append(([rng.randrange(5, args.vocab_size) for _ in range(n)], n, m))
-        else:
-            start = rng.randrange(max(1, len(words) - n + 1))
-            out.append((" ".join(words[start:start + n]), n, m))
-    return out
-
-
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, prompt_len: int, max_tokens: int,
-                      rec: dict, every_token: bool = False) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if every_token:  # the sampled token's logprob rides in every chunk, so tokens without text are seen too
-        body["logprobs"] = 0
-    rec.update(prompt_len=prompt_len, max_tokens=max_tokens, ok=False, itl=[], chunks=0, usage_tokens=None)
-    t0 = rec["start"] = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                rec["error"] = f"HTTP {resp.status_code}: {text[:200]}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    rec["error"] = f"stream error: {str(msg['error'])[:200]}"
-                    return
-                now = time.perf_counter()
-                choice = msg["choices"][0] if msg.get("choices") else {}
-                if choice.get("text") or (choice.get("logprobs") or {}).get("tokens"):
-                    rec["chunks"] += 1
-                    if last is None:
-                        rec["ttft"] = now - t0
-                    else:
-                        rec["itl"].append(now - last)
-                    last = now
-                if msg.get("usage"):
-                    rec["usage_tokens"] = msg["usage"].get("completion_tokens")
-        rec["e2e"] = time.perf_counter() - t0
-        rec["output_tokens"] = rec["usage_tokens"] if rec["usage_tokens"] is not None else rec["chunks"]
-        if "ttft" not in rec:
-            rec["error"] = "no non-empty text chunk"
-            return
-        rec["ok"] = True
-    except Exception as e:  # noqa: BLE001 -- any failure is this request's, counted and reported
-        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-
-
-async def run_load(args, base: str, prompts) -> tuple[list[dict], float]:
-    rng = random.Random(args.seed + 1)
-    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency > 0 else None
-    recs: list[dict] = [{} for _ in prompts]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, trust_env=False) as client:
-        model = args.model
-        if model is None:
-            r = await client.get(base + "/v1/models", timeout=30)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        args.model = model
-
-        async def limited(i: int, p) -> None:
-            if sem is None:
-                return await one_request(client, base + "/v1/completions", model, *p, recs[i], args.every_token)
-            async with sem:
-                await one_request(client, base + "/v1/completions", model, *p, recs[i], args.every_token)
-
-        t_start = time.perf_counter()
-        tasks = []
-
-        async def launch() -> None:
-            for i, p in enumerate(prompts):
-                tasks.append(asyncio.create_task(limited(i, p)))
-                if args.request_rate != math.inf and i + 1 < len(prompts):
-                    await asyncio.sleep(rng.expovariate(args.request_rate))
-            await asyncio.gather(*tasks)
-
-        try:
-            await asyncio.wait_for(launch(), timeout=args.timeout)
-        except asyncio.TimeoutError:
-            pass
-        duration = time.perf_counter() - t_start
-    for r in recs:
-        if not r.get("ok") and "error" not in r:
-            r["error"] = f"not finished within --timeout {args.timeout} s"
-    return recs, duration
 
 
 def summarize(xs: list[float]) -> dict:
@@ -208,13 +105,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_prompts < 1 or args.request_rate <= 0 or not 0 <= args.range_ratio < 1 or args.vocab_size <= 5:
         ap.error("need --num-prompts >= 1, --request-rate > 0, 0 <= --range-ratio < 1, --vocab-size > 5")
 
-    prompts = make_prompts(args, random.Random(args.seed))
-    recs, duration = asyncio.run(run_load(args, base, prompts))
+    try:
+        prompts = make_prompts(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
+                               random.Random(args.seed), args.dataset)
+    except ValueError as e:
+        ap.error(str(e))
+    recs, duration, args.model = asyncio.run(run_load(base, "/v1/completions", args.model, prompts,
+                                                      args.request_rate, args.max_concurrency, args.seed,
+                                                      args.timeout, args.every_token))
     ok = [r for r in recs if r.get("ok")]
     out_tokens = sum(r["output_tokens"] for r in ok)
-    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
-    series = {"TTFT": [r["ttft"] for r in ok], "TPOT": tpot, "ITL": [x for r in ok for x in r["itl"]],
-              "E2E latency": [r["e2e"] for r in ok]}
+    lat = latency_series(recs)
+    tpot = lat["tpot"]
+    series = {"TTFT": lat["ttft"], "TPOT": tpot, "ITL": lat["itl"], "E2E latency": lat["e2el"]}
     summary = {"completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
                "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
                "total_input_tokens": sum(r["prompt_len"] for r in ok), "total_output_tokens": out_tokens,

@@ -292,3 +292,26 @@ def test_run_batch_answers_each_line_in_order(tmp_path, offline_llm):
 def test_collect_env():
     r = _cli("collect-env")
     assert r.returncode == 0 and "vllm: " in r.stdout and "torch: " in r.stdout and "cuda_available: " in r.stdout
+
+
+def test_vllm_bench_serve_reports_upstreams_metrics(server, tmp_path):
+    r = _cli("bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--random-input-len", "8",
+             "--random-output-len", "4", "--ignore-eos", "--max-concurrency", "2", "--save-result", "--result-dir",
+             str(tmp_path), "--result-filename", "r.json")
+    assert r.returncode == 0, r.stderr
+    assert "Serving Benchmark Result" in r.stdout and "Mean TTFT (ms):" in r.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 16
+    assert result["model_id"] == "kimi-tiny"
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"] and result["p99_itl_ms"] > 0
+
+
+@pytest.mark.parametrize("kind, flags, key", [
+    ("throughput", ["--num-prompts", "4", "--input-len", "8", "--output-len", "4"], "requests_per_second"),
+    ("latency", ["--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters-warmup", "1",
+                 "--num-iters", "2"], "avg_latency"),
+])
+def test_vllm_bench_throughput_and_latency(tmp_path, kind, flags, key):
+    r = _cli("bench", kind, *flags, "--max-model-len", "128", "--output-json", str(tmp_path / "o.json"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "o.json").read_text())[key] > 0

@@ -1,5 +1,5 @@
 """The `vllm` console script: `vllm --version`, and the subcommands serve, generate, chat, complete, run-batch,
-collect-env."""
+bench, collect-env."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from vllm.entrypoints.cli import chat, collect_env, complete, generate, run_batch, serve
+from vllm.entrypoints.cli import bench, chat, collect_env, complete, generate, run_batch, serve
 from vllm.logger import init_logging
 from vllm.version import __version__
 
 SUBCOMMANDS = {"generate": generate, "serve": serve, "chat": chat, "complete": complete, "run-batch": run_batch,
-               "collect-env": collect_env}
+               "collect-env": collect_env, "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:

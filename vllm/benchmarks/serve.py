@@ -1,0 +1,157 @@
+"""The online serving load generator behind `vllm bench serve` (and benchmarks/bench_serve.py): streaming
+/v1/completions requests against a running server, Poisson arrivals, bounded concurrency, and upstream's metric
+names for what it measures.
+
+TTFT: send -> first chunk with non-empty text (or, with every_token, with a token); ITL: gaps between later
+such chunks; TPOT: (e2e - ttft) / (output_tokens - 1), output tokens from the final `usage` chunk (or the count
+of text chunks without one). Failed requests (HTTP errors, broken streams, the timeout on the whole run) are
+counted, not fatal.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+def make_prompts(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                 rng: random.Random, dataset: str | None = None) -> list[tuple[object, int, int]]:
+    """(prompt, prompt_len, max_tokens) per request: random token ids in [5, vocab_size), or random slices of a
+    text file's words; lengths uniform in len * (1 -/+ range_ratio)."""
+    def length(n: int) -> int:
+        return max(1, rng.randint(math.floor(n * (1 - range_ratio)), math.ceil(n * (1 + range_ratio))))
+    words = Path(dataset).read_text(errors="replace").split() if dataset else None
+    if words is not None and not words:
+        raise ValueError(f"dataset {dataset}: no words")
+    out = []
+    for _ in range(num_prompts):
+        n, m = length(input_len), length(output_len)
+        if words is None:
+            out.append(([rng.randrange(5, vocab_size) for _ in range(n)], n, m))
+        else:
+            start = rng.randrange(max(1, len(words) - n + 1))
+            out.append((" ".join(words[start:start + n]), n, m))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, prompt_len: int, max_tokens: int,
+                      rec: dict, every_token: bool = False, ignore_eos: bool = True) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if every_token:  # the sampled token's logprob rides in every chunk, so tokens without text are seen too
+        body["logprobs"] = 0
+    rec.update(prompt_len=prompt_len, max_tokens=max_tokens, ok=False, itl=[], chunks=0, usage_tokens=None)
+    t0 = rec["start"] = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec["error"] = f"HTTP {resp.status_code}: {text[:200]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    rec["error"] = f"stream error: {str(msg['error'])[:200]}"
+                    return
+                now = time.perf_counter()
+                choice = msg["choices"][0] if msg.get("choices") else {}
+                if choice.get("text") or (choice.get("logprobs") or {}).get("tokens"):
+                    rec["chunks"] += 1
+                    if last is None:
+                        rec["ttft"] = now - t0
+                    else:
+                        rec["itl"].append(now - last)
+                    last = now
+                if msg.get("usage"):
+                    rec["usage_tokens"] = msg["usage"].get("completion_tokens")
+        rec["e2e"] = time.perf_counter() - t0
+        rec["output_tokens"] = rec["usage_tokens"] if rec["usage_tokens"] is not None else rec["chunks"]
+        if "ttft" not in rec:
+            rec["error"] = "no non-empty text chunk"
+            return
+        rec["ok"] = True
+    except Exception as e:  # noqa: BLE001 -- any failure is this request's, counted and reported
+        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+async def first_model(client: httpx.AsyncClient, base: str) -> str:
+    r = await client.get(base + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def run_load(base: str, endpoint: str, model: str | None, prompts, request_rate: float, max_concurrency: int,
+                   seed: int, timeout: float, every_token: bool = False,
+                   ignore_eos: bool = True) -> tuple[list[dict], float, str]:
+    """(per-request records, wall seconds, model name) for one run of `prompts`."""
+    rng = random.Random(seed + 1)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+    recs: list[dict] = [{} for _ in prompts]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, trust_env=False) as client:
+        model = model or await first_model(client, base)
+
+        async def limited(i: int, p) -> None:
+            if sem is None:
+                return await one_request(client, base + endpoint, model, *p, recs[i], every_token, ignore_eos)
+            async with sem:
+                await one_request(client, base + endpoint, model, *p, recs[i], every_token, ignore_eos)
+
+        t_start = time.perf_counter()
+        tasks = []
+
+        async def launch() -> None:
+            for i, p in enumerate(prompts):
+                tasks.append(asyncio.create_task(limited(i, p)))
+                if request_rate != math.inf and i + 1 < len(prompts):
+                    await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.gather(*tasks)
+
+        try:
+            await asyncio.wait_for(launch(), timeout=timeout)
+        except asyncio.TimeoutError:
+            pass
+        duration = time.perf_counter() - t_start
+    for r in recs:
+        if not r.get("ok") and "error" not in r:
+            r["error"] = f"not finished within the timeout of {timeout} s"
+    return recs, duration, model
+
+
+def latency_series(recs: list[dict]) -> dict[str, list[float]]:
+    """Seconds per request (ttft, tpot, e2el) and per token gap (itl), of the requests that completed."""
+    ok = [r for r in recs if r.get("ok")]
+    return {"ttft": [r["ttft"] for r in ok],
+            "tpot": [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1],
+            "itl": [x for r in ok for x in r["itl"]], "e2el": [r["e2e"] for r in ok]}
+
+
+def serving_metrics(recs: list[dict], duration: float, percentiles: tuple[float, ...] = (99,)) -> dict:
+    """Upstream's result names: completed, throughputs, and mean/median/std/pN of ttft, tpot, itl, e2el in ms."""
+    ok = [r for r in recs if r.get("ok")]
+    inputs, outputs = sum(r["prompt_len"] for r in ok), sum(r["output_tokens"] for r in ok)
+    out = {"duration": duration, "completed": len(ok), "failed": len(recs) - len(ok), "total_input_tokens": inputs,
+           "total_output_tokens": outputs, "request_throughput": len(ok) / duration,
+           "output_throughput": outputs / duration, "total_token_throughput": (inputs + outputs) / duration}
+    for name, xs in latency_series(recs).items():
+        a = np.asarray(xs, dtype=float) * 1e3
+        out[f"mean_{name}_ms"] = float(a.mean()) if a.size else None
+        out[f"median_{name}_ms"] = float(np.median(a)) if a.size else None
+        out[f"std_{name}_ms"] = float(a.std()) if a.size else None
+        for p in percentiles:
+            out[f"p{p:g}_{name}_ms"] = float(np.percentile(a, p)) if a.size else None
+    out["errors"] = dict(Counter(r["error"] for r in recs if not r.get("ok")).most_common(10))
+    return out
