@@ -159,3 +159,20 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """For `LLM.beam_search` (upstream's fields)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 10:
+            raise ValueError(f"beam_width must be an integer in [1, 10] (its 2 x width logprobs per step are capped "
+                             f"at {MAX_LOGPROBS}), got {self.beam_width!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

@@ -381,3 +381,29 @@ def test_logit_processing_rows_decode_without_drafts_beside_speculating_ones(mak
     outs = spec.generate(code, params, use_tqdm=False)
     assert token_ids(outs) == want
     assert outs[0].metrics.spec_num_drafts == 0 and outs[1].metrics.spec_num_drafts > 0
+
+
+def test_beam_search_is_greedy_at_width_one_and_scores_its_beams_exactly(make_llm):
+    from vllm import BeamSearchParams
+    llm = make_llm(model=str(DEFAULT_MODEL_DIR))
+    prompt = {"prompt": CODE_PROMPTS[2]}
+    ids = llm.llm_engine.process_prompt(prompt)[1]
+    greedy = token_ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                                    use_tqdm=False))[0]
+    one = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True))[0]
+    assert one.sequences[0].tokens == ids + greedy
+    beams = llm.beam_search([prompt, {"prompt_token_ids": ids[:3]}], BeamSearchParams(beam_width=3, max_tokens=4,
+                                                                                      ignore_eos=True))
+    for out, prefix in zip(beams, (ids, ids[:3])):
+        seqs = out.sequences
+        assert len(seqs) == 3 and len({tuple(s.tokens) for s in seqs}) == 3
+        scores = [s.cum_logprob / 4 for s in seqs]  # length_penalty 1 over the 4 generated tokens
+        assert scores == sorted(scores, reverse=True)
+        for s in seqs:  # the cumulative logprob is the model's own: re-scored through prompt_logprobs
+            assert s.tokens[:len(prefix)] == prefix and s.text == llm.get_tokenizer().decode(s.tokens)
+            rescored = llm.generate([{"prompt_token_ids": s.tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                    use_tqdm=False)[0].prompt_logprobs
+            want = sum(row[t].logprob for row, t in zip(rescored[len(prefix):], s.tokens[len(prefix):]))
+            assert s.cum_logprob == pytest.approx(want, abs=1e-3)
+    with pytest.raises(ValueError, match="beam_width must be an integer in"):
+        BeamSearchParams(beam_width=0, max_tokens=2)

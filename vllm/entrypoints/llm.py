@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from vllm.beam_search import BeamSearchOutput, beam_search
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -51,6 +52,18 @@ class LLM:
         # Only the final outputs are returned, so the engine builds no others (upstream does the same).
         final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}
         return self._run(prompts, [final[id(p)] for p in sampling_params], use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vllm/beam_search.py); each output's sequences are best first and hold the
+        prompt's tokens, then the generated ones."""
+        if lora_request is not None:
+            raise ValueError(f"lora_request={lora_request!r}: this engine serves no LoRA adapters")
+        engine = self.llm_engine
+        ids = [engine.process_prompt(p)[1] for p in prompts]
+        tok = self.get_tokenizer()
+        return beam_search(lambda batch, sp: self.generate(batch, sp, use_tqdm=use_tqdm), tok.decode, ids, params,
+                           tok.eos_token_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams a call without any uses."""
