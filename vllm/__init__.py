@@ -11,4 +11,5 @@ from vllm.version import __version__
 register_configs()
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "AsyncEngineArgs",
-           "AsyncLLMEngine", "PromptType", "TextPrompt", "TokensPrompt", "RequestOutputKind", "BeamSearchParams", "__version__"]
+           "AsyncLLMEngine", "PromptType", "TextPrompt", "TokensPrompt", "RequestOutputKind", "BeamSearchParams",
+           "__version__"]
