@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vllm.model_executor.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 
 
-def get_tokenizer(path: str | Path, *, tokenizer_mode: str = "auto", trust_remote_code: bool = False,
+def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", trust_remote_code: bool = False,
                   revision: str | None = None, **kwargs) -> PreTrainedTokenizerBase:
     """The tokenizer in a local directory. Upstream's keywords are taken so that callers of its get_tokenizer
     (lm-eval) run; those asking for what this loader does not do are refused by name. Other keywords go to
@@ -23,7 +23,7 @@ def get_tokenizer(path: str | Path, *, tokenizer_mode: str = "auto", trust_remot
         raise ValueError(f"revision={revision!r}: tokenizers load from local directories only")
     if tokenizer_mode not in ("auto", "hf", "slow"):
         raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported; expected auto")
-    path = Path(path)
+    path = Path(tokenizer_name)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointNotFoundError(f"no tokenizer in {path}: expected tokenizer.json or tokenizer_config.json "
                                       "(pass --tokenizer DIR to load it from elsewhere)")

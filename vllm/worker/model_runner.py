@@ -629,4 +629,5 @@ class ModelRunner:
             rows = hidden[ends[r] - s.num_tokens:ends[r] - s.num_tokens + (end - start)]
             logprobs = self.model.compute_logits(rows).log_softmax(-1)
             targets = async_tensor_h2d(req.prompt_token_ids[start + 1:end + 1], torch.int64, self.device)
+            k = logprobs.shape[-1] if k == -1 else k  # -1: the whole vocabulary
             result.prompt_logprobs_host[req.request_id] = _HostLogprobs.queue(gather_logprobs(logprobs, targets, k))

@@ -315,3 +315,11 @@ def test_vllm_bench_throughput_and_latency(tmp_path, kind, flags, key):
     r = _cli("bench", kind, *flags, "--max-model-len", "128", "--output-json", str(tmp_path / "o.json"))
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "o.json").read_text())[key] > 0
+
+
+def test_minus_one_means_the_whole_vocabulary(http, offline_llm):
+    vocab = len(offline_llm.get_tokenizer())
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": -1,
+                                                   "logprobs": True, "top_logprobs": -1}).json()
+    assert all(row is None or len(row) >= vocab for row in chat["prompt_logprobs"])
+    assert all(len(t["top_logprobs"]) == vocab for t in chat["choices"][0]["logprobs"]["content"])

@@ -222,7 +222,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)  # -1: the whole vocabulary
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is left open and continued
     echo: bool = False  # the response starts with the last message's content when its role is the answer's

@@ -129,6 +129,8 @@ class OpenAIServingChat(OpenAIServing):
         if rows is None:
             return None
         k = req.top_logprobs
+        if k == -1:  # the whole vocabulary: every entry of the row
+            k = max(lp.rank for row in rows for lp in row.values()) if rows else 0
 
         def entry(tid: int, lp: Logprob) -> dict:
             token = self.token_label(req, tid, lp.decoded_token)
