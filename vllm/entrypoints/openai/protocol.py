@@ -1,6 +1,7 @@
 """OpenAI request bodies as pydantic models, and the error every endpoint answers with.
 
-Known fields are strict (no "5" for 5, no true for 1), so a wrong value is a 400 that names the field. Unknown
+Known fields parse as upstream's pydantic models do: in pydantic's lax mode, where "5" is 5 and "true" is true
+(upstream's own tests send `"logprobs": "true"`). A value that is not one is a 400 that names the field. Unknown
 fields are accepted and ignored with a logged warning, as upstream does: clients built for other servers send
 extras (`user`, `metadata`, ...). Fields we know but cannot honour (`tools`, guided decoding, JSON response
 formats, beam search) are refused with a 400 saying so, rather than ignored into a different answer.
@@ -58,7 +59,7 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
