@@ -21,11 +21,11 @@ import argparse
 import gc
 import json
 import sys
-import time
 
 import numpy as np
 import torch
-from bench_common import metadata, stats, sync, write_json
+from bench_common import metadata, stats, write_json
+from bench_spec_builtin import timed_generate
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
@@ -43,14 +43,6 @@ def spec_config(name: str, draft: str) -> dict | None:
     if method == "adaptive":
         cfg["enable_adaptive_verification"] = True
     return cfg
-
-
-def run_once(llm: LLM, prompts: list[dict], params: SamplingParams, device: str) -> tuple[float, list]:
-    sync(device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    return time.perf_counter() - t0, outs
 
 
 def tpots(outs: list) -> list[float]:
@@ -93,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
                                            * max(concurrencies))
         for c in concurrencies:
             prompts = [{"prompt_token_ids": w[:args.prompt_len]} for w in windows[:c]]
-            run_once(llm, prompts, params, args.device)  # warm-up
+            timed_generate(llm, prompts, params, args.device)  # warm-up
             walls, per_token, outs = [], [], None
             for _ in range(args.repeats):
-                dt, outs = run_once(llm, prompts, params, args.device)
+                dt, outs = timed_generate(llm, prompts, params, args.device)
                 walls.append(dt)
                 per_token += tpots(outs)
             ids = [o.outputs[0].token_ids for o in outs]
