@@ -142,6 +142,19 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _engine_core(pid: int) -> list[int]:
+    """The children of pid that are multiprocessing's spawned interpreters (the engine core), not the short-lived
+    helpers imports run (ctypes' find_library spawns /sbin/ldconfig while torch loads)."""
+    out = []
+    for child in _children(pid):
+        try:
+            if b"multiprocessing" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -159,9 +172,9 @@ def test_ctrl_c_while_the_engine_core_loads_leaves_no_process(tmp_path):
                             stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not _children(proc.pid) and time.monotonic() < deadline:  # the core process is spawned
+        while not _engine_core(proc.pid) and time.monotonic() < deadline:  # the core process is spawned
             time.sleep(0.02)
-        assert _children(proc.pid), "the engine core process never started"
+        assert _engine_core(proc.pid), "the engine core process never started"
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 130, Path(err.name).read_text()[-3000:]
         deadline = time.monotonic() + 10
