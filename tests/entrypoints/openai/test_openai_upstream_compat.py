@@ -26,7 +26,7 @@ def server(start_server, tmp_path_factory):
     return start_server("--served-model-name", "kimi-tiny", "--chat-template", str(template),
                         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
                         "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "-tp", "1",
-                        "--enable-prefix-caching", "--disable-log-stats", "--dtype", "float")
+                        "--enable-prefix-caching", "--disable-log-stats", "--dtype", "float", "--root-path", "/proxy")
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +164,7 @@ def test_response_format_text_and_negative_seed_are_accepted(http):
 
 
 def test_extra_endpoints(http, server):
+    assert http.get("/openapi.json").json()["servers"] == [{"url": "/proxy"}]  # --root-path, for the proxy
     assert http.get("/v1/models/kimi-tiny").json()["id"] == "kimi-tiny"
     missing = http.get("/v1/models/gpt-4")
     assert missing.status_code == 404 and "`gpt-4` does not exist" in missing.json()["error"]["message"]

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
@@ -46,6 +46,11 @@ def _reject_constant(name: str):
 
 
 async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    return validate_body(await read_body(request, limit), model)
+
+
+async def read_body(request: Request, limit: int) -> dict:
+    """The request's JSON object, or the APIError that says what is wrong with it."""
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
         raise APIError(400, f"Content-Type must be application/json, got {ctype!r}")
@@ -65,6 +70,11 @@ async def parse_body(request: Request, model: type[BaseModel], limit: int) -> Ba
     if (where := _lone_surrogate(data)) is not None:
         raise APIError(400, f"{where or 'the request body'} holds a lone UTF-16 surrogate (such as \\ud800), "
                             "which is not a character: send valid Unicode text", where or None)
+    return data
+
+
+def validate_body(data: dict, model: type[BaseModel]) -> BaseModel:
+    """`data` as `model`, or a 400 naming the field; unknown fields are logged (they are ignored)."""
     try:
         parsed = model.model_validate(data)
     except ValidationError as e:
@@ -94,18 +104,6 @@ def _lone_surrogate(data) -> str | None:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
     return None
-
-
-class _Invocation(BaseModel):
-    """Any JSON object: /invocations routes on its keys, then validates it as what it is."""
-    model_config = ConfigDict(extra="allow")
-
-
-def _revalidate(body: BaseModel, model: type[BaseModel]) -> BaseModel:
-    try:
-        return model.model_validate(body.model_extra)
-    except ValidationError as e:
-        raise validation_error(e) from None
 
 
 class Guard:
@@ -241,11 +239,11 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt` a completion."""
-        body = await parse_body(request, _Invocation, limit)
-        if "messages" in (body.model_extra or {}):
-            return await chat.create(_revalidate(body, ChatCompletionRequest), request)
-        if "prompt" in (body.model_extra or {}):
-            return await completion.create(_revalidate(body, CompletionRequest), request)
+        body = await read_body(request, limit)
+        if "messages" in body:
+            return await chat.create(validate_body(body, ChatCompletionRequest), request)
+        if "prompt" in body:
+            return await completion.create(validate_body(body, CompletionRequest), request)
         raise APIError(400, "an /invocations body needs `messages` (a chat completion) or `prompt` (a completion)")
 
     if settings.enable_server_load_tracking:
