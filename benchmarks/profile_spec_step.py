@@ -10,6 +10,7 @@ A dspark config without "model" gets the shipped draft.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -25,6 +26,25 @@ from vllm.assets import DEFAULT_DSPARK_DIR
 from vllm.tools.prepare_corpus import heldout_code_windows
 
 
+def count_step_paths(runner) -> collections.Counter:
+    """Counts how the runner's forwards run (graph replay by shape, piecewise, eager), to tell a step that
+    misses its graph from one that is slow inside it."""
+    paths = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            paths[name(*a)] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    if runner.graphs is not None:
+        runner.graphs.replay = counted(lambda desc: f"graph {desc}", runner.graphs.replay)
+    runner._forward = counted(lambda T, common: "eager", runner._forward)
+    if runner.piecewise is not None:
+        runner.piecewise.run = counted(lambda T, meta: "piecewise", runner.piecewise.run)
+    return paths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default=None, help="the --speculative-config JSON (none: no speculation)")
@@ -32,11 +52,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--async-scheduling", choices=("on", "off"), default=None,
+                    help="force async scheduling on or off (default: the engine's choice)")
     args = ap.parse_args()
     spec = json.loads(args.spec) if args.spec else None
     if spec is not None and spec["method"] == "dspark":
         spec.setdefault("model", str(DEFAULT_DSPARK_DIR))
-    llm = LLM(device=args.device, max_model_len=1024, gpu_memory_utilization=0.3, speculative_config=spec)
+    llm = LLM(device=args.device, max_model_len=1024, gpu_memory_utilization=0.3, speculative_config=spec,
+              async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
     prompt = {"prompt_token_ids": heldout_code_windows(llm.get_tokenizer(), [64])[0]}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
@@ -44,6 +67,7 @@ def main() -> None:
         return llm.generate([prompt], params, use_tqdm=False)
 
     run()
+    paths = count_step_paths(llm.llm_engine.runner)
     walls = []
     for _ in range(args.repeats):
         sync(args.device)
@@ -53,6 +77,7 @@ def main() -> None:
         walls.append(time.perf_counter() - t0)
     steps = out[0].metrics.spec_num_drafts or args.output_len
     wall = sorted(walls)[len(walls) // 2]
+    print("step paths over the timed runs:", dict(paths))
     print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "
           f"({steps} steps for {args.output_len} tokens)")
     prof = cProfile.Profile()
