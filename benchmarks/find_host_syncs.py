@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import traceback
+import sys
+import time
 import warnings
 
 import torch
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="the --speculative-config JSON (none: no speculation)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--frames", type=int, default=4, help="vllm frames shown per call site")
+    ap.add_argument("--max-steps", type=int, default=40)
     ap.add_argument("--async-scheduling", choices=("on", "off"), default=None)
     args = ap.parse_args()
     spec = json.loads(args.spec) if args.spec else None
@@ -42,8 +44,12 @@ def main() -> None:
     sites: collections.Counter = collections.Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "/vllm/" in f.filename]
-        sites[tuple(f"{f.filename.split('/vllm/')[-1]}:{f.lineno} {f.name}" for f in frames[-args.frames:])] += 1
+        frames, f = [], sys._getframe(1)  # walking frames reads no source files, unlike traceback's helpers
+        while f is not None and len(frames) < args.frames:
+            if "/vllm/" in f.f_code.co_filename:
+                frames.append(f"{f.f_code.co_filename.split('/vllm/')[-1]}:{f.f_lineno} {f.f_code.co_name}")
+            f = f.f_back
+        sites[tuple(frames)] += 1
 
     engine = llm.llm_engine
     steps = 0
@@ -53,9 +59,11 @@ def main() -> None:
     torch.cuda.set_sync_debug_mode("warn")
     try:
         engine.add_request("sync-probe", prompt, params)
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() and steps < args.max_steps:
+            start = time.perf_counter()
             engine.step()
             steps += 1
+            print(f"step {steps}: {sum(sites.values())} syncs so far, {time.perf_counter() - start:.4f} s")
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = old
