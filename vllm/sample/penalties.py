@@ -87,7 +87,9 @@ class PenaltyCounts:
         self.output_counts[row] = 0
         self.prompt_seen[row] = False
         if req.prompt_token_ids:
-            self.prompt_seen[row, async_tensor_h2d(req.prompt_token_ids, torch.int64, self.device)] = True
+            # index_fill_: an indexed assignment of a Python scalar copies it from pageable memory (a host sync)
+            self.prompt_seen[row].index_fill_(0, async_tensor_h2d(req.prompt_token_ids, torch.int64, self.device),
+                                              True)
         return row
 
     def _grow(self) -> None:

@@ -99,7 +99,7 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
     # Ties broken towards earlier slots of a row, so a row's kept slots stay a prefix.
     order = survival.flatten().argsort(descending=True, stable=True)[:budget]
     keep = torch.zeros(R * K, dtype=torch.int32, device=confidence.device)
-    keep[order] = 1
+    keep.index_fill_(0, order, 1)  # not `keep[order] = 1`, whose scalar copy from pageable memory waits for the GPU
     return keep.view(R, K).sum(1, dtype=torch.int32)
 
 

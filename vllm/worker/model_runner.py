@@ -570,8 +570,10 @@ class ModelRunner:
         draft ids (placeholders still -1), so nothing is uploaded again; the host draft counts have the device
         total and only size the output."""
         logits = self.model.compute_logits(hidden[token_idx])
+        # index_fill_, not `first[idx] = True`: that assignment copies its scalar from pageable host memory,
+        # which makes the host wait for the whole forward before it queues the rest of the step.
         first = torch.zeros(token_idx.shape[0], dtype=torch.bool, device=self.device)
-        first[cu_num_logits[:-1].long()] = True
+        first.index_fill_(0, cu_num_logits[:-1].long(), True)
         draft_rows = (~first).nonzero_static(size=sum(num_draft_tokens)).squeeze(1)  # no host sync
         drafts = self.input_batch.draft_ids.gpu[token_idx[draft_rows]]
         meta = SpecDecodeMetadata(drafts, num_draft_tokens, cu_num_logits)

@@ -1,0 +1,60 @@
+"""A served decode or verify step queues all its device work without waiting for the device: the host's only wait
+is for the step's own outputs (an event). Any other synchronizing call (a pageable copy, .item(), nonzero) makes
+the host sit out the forward and then pay for the rest of the step on top of it. torch's sync debug mode sees
+those calls; CUDA only."""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.tools.make_dspark_draft import write_dspark_draft
+
+
+def _vllm_sync_sites(run) -> list[str]:
+    """The innermost vllm frame of each synchronizing call `run` makes."""
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        f = sys._getframe(1)
+        while f is not None and "/vllm/" not in f.f_code.co_filename:
+            f = f.f_back
+        if f is not None:
+            sites.append(f"{f.f_code.co_filename.split('/vllm/')[-1]}:{f.f_lineno} {f.f_code.co_name}")
+
+    with warnings.catch_warnings():  # restores the filters and showwarning after
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adaptive", [False, True], ids=["dspark", "adaptive"])
+def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive):
+    draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=5)
+    spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 3,
+            "enable_adaptive_verification": adaptive}
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec,
+              compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 14)]
+    llm.generate(prompts, params, use_tqdm=False)  # first-use allocations outside the count
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    engine.step()  # the prefill: its chunk bookkeeping may wait, only decode/verify steps are checked
+
+    def decode():
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    assert _vllm_sync_sites(decode) == []
+    assert engine.spec_decode_stats.num_draft_tokens > 0
