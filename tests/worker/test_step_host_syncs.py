@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.assets import TINY_TOKENIZER_DIR
 from vllm.tools.make_dspark_draft import write_dspark_draft
 
 
@@ -42,7 +43,8 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive):
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=5)
     spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 3,
             "enable_adaptive_verification": adaptive}
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec,
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128, max_num_seqs=4,
+              speculative_config=spec,
               compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
