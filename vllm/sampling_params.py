@@ -41,6 +41,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # -1: the whole vocabulary
     logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI's -100..100)
     allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never generated (each word's tokens, with and without a leading space)
     skip_special_tokens: bool = True
     # Upstream's switch for slow tokenizers' decode. With a fast tokenizer (all this engine loads) special tokens
     # are joined without spaces either way, as upstream's fast-tokenizer path does; accepted for its callers.
@@ -49,6 +50,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
+    # Filled by the engine from bad_words: the token sequences the output must never end with.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -141,6 +144,11 @@ class SamplingParams:
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+            self.bad_words = list(words) or None
 
     def token_ids_to_check(self) -> dict[str, list[int]]:
         """The token ids this request names, by field, for the engine to check against the vocabulary."""
@@ -149,8 +157,9 @@ class SamplingParams:
 
     @property
     def has_logits_processing(self) -> bool:
-        """logit_bias or allowed_token_ids: rows the sampler reshapes (and the rejection sampler cannot)."""
-        return self.logit_bias is not None or self.allowed_token_ids is not None
+        """logit_bias, allowed_token_ids or bad_words: rows the sampler reshapes (and the rejection sampler
+        cannot)."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
 
     @property
     def greedy(self) -> bool:

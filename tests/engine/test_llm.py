@@ -407,3 +407,27 @@ def test_beam_search_is_greedy_at_width_one_and_scores_its_beams_exactly(make_ll
             assert s.cum_logprob == pytest.approx(want, abs=1e-3)
     with pytest.raises(ValueError, match="beam_width must be an integer in"):
         BeamSearchParams(beam_width=0, max_tokens=2)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bad_words_are_never_generated(make_llm, async_scheduling):
+    """A two-token span of the greedy output, given as a bad word, never appears (its second token is banned
+    right after its first), while a request without bad words in the same batch is unchanged. Under async
+    scheduling the engine waits for the step in flight before such a request's next step."""
+    from vllm.sample.bad_words import bad_words_token_ids
+    llm = make_llm(model=str(DEFAULT_MODEL_DIR), async_scheduling=async_scheduling)
+    assert llm.llm_engine.async_scheduling is async_scheduling
+    tok = llm.get_tokenizer()
+    code = [{"prompt": p} for p in CODE_PROMPTS[:2]]
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    greedy = token_ids(llm.generate(code, plain, use_tqdm=False))
+    g = greedy[0]
+    # A span whose text tokenizes back to the span itself (as written or with one leading space).
+    i = next(i for i in range(1, len(g) - 1) if g[i:i + 2] in bad_words_token_ids(tok, [tok.decode(g[i:i + 2])]))
+    word = tok.decode(g[i:i + 2])
+    seqs = bad_words_token_ids(tok, [word])
+    banned = dataclasses.replace(plain, bad_words=[word])
+    outs = token_ids(llm.generate(code, [banned, plain], use_tqdm=False))
+    assert not any(outs[0][j:j + len(s)] == s for s in seqs for j in range(len(outs[0]))), (word, outs[0])
+    assert outs[0] != g
+    assert outs[1] == greedy[1]

@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
+from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
 from vllm.sample.penalties import PenaltyCounts
 from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
@@ -132,6 +133,9 @@ class LLMEngine:
                 raise ValueError(f"{name} hold ids outside the vocabulary [0, {V}): {bad[:5]}")
         if params.top_k > V:
             params = dataclasses.replace(params, top_k=V)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                                                         params.bad_words))
         return params
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -166,8 +170,8 @@ class LLMEngine:
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
         outputs = []
-        if self.in_flight is not None and self.scheduler.suspect is not None:
-            outputs = self._drain()  # a suspect runs alone, with nothing else in flight
+        if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
+            outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs + self._drain()
@@ -188,6 +192,11 @@ class LLMEngine:
         if not self.async_scheduling:
             outputs += self._drain()
         return outputs
+
+    def _needs_history(self) -> bool:
+        """A running request bans tokens by what its output ends with (a bad word of several tokens), so its
+        next step needs the step in flight's token on the host first."""
+        return any(len(seq) > 1 for r in self.scheduler.running for seq in r.sampling_params.bad_words_token_ids)
 
     def _drain(self) -> list[RequestOutput]:
         """Waits for the step in flight, if any, and processes its outputs."""
@@ -287,13 +296,15 @@ class LLMEngine:
         if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
             return cached[1]
         # The row samples its output number len(outputs) + placeholders (the step's own placeholder included).
-        banned = [sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
-                  if len(r.output_token_ids) + r.num_output_placeholders <= r.sampling_params.min_tokens else []
+        banned = [(sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
+                   if len(r.output_token_ids) + r.num_output_placeholders <= r.sampling_params.min_tokens else [])
+                  + banned_by_bad_words(r.sampling_params.bad_words_token_ids, r.output_token_ids)
                   for r in reqs]
         meta = SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
                                               banned, self.config.model_config.device,
                                               self._penalty_counts(reqs, in_flight))
-        if meta.no_penalties and not any(banned):
+        # Bans that depend on the output (min_tokens, bad words) change from step to step: never reused.
+        if meta.no_penalties and not any(banned) and not any(r.sampling_params.bad_words_token_ids for r in reqs):
             self._sampling_cache[kind] = (reqs, meta)
         else:
             self._sampling_cache.pop(kind, None)

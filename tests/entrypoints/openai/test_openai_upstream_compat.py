@@ -87,6 +87,17 @@ def test_logit_bias_and_allowed_token_ids(http):
     assert bad.status_code == 400 and "logit_bias hold ids outside the vocabulary" in bad.json()["error"]["message"]
 
 
+def test_bad_words(http, greedy_reference):
+    """The greedy answer's first token, as a bad word, is never generated; a malformed list is a 400."""
+    first = greedy_reference.outputs[0].token_ids[0]
+    word = http.post("/detokenize", json={"tokens": [first]}).json()["prompt"]
+    body = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                              "bad_words": [word], "return_token_ids": True}).json()
+    assert first not in body["choices"][0]["token_ids"]
+    bad = http.post("/v1/completions", json={"prompt": PROMPT, "bad_words": [""]})
+    assert bad.status_code == 400 and "bad_words must be a list of non-blank strings" in bad.json()["error"]["message"]
+
+
 def test_tokens_as_token_ids_by_flag_and_by_field(http):
     on = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
                                             "return_token_ids": True}).json()["choices"][0]

@@ -122,6 +122,7 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None  # an end-user id for abuse tracking: changes no output
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
     return_token_ids: bool = False  # the prompt's and each choice's token ids in the response
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (default: the server flag)
@@ -164,7 +165,7 @@ class SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             output_kind=RequestOutputKind.DELTA,
             **{k: v for k, v in optional.items() if v is not None})
 
