@@ -5,7 +5,7 @@ the beam_width best of finished and live beams come back, best first. Each step 
 (there is no prefix caching), so this costs O(max_tokens^2) tokens: a tool for short answers."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from vllm.outputs import Logprob, RequestOutput
@@ -35,13 +35,21 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None, 
     return cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(generate: Callable[[list[dict], SamplingParams], list[RequestOutput]],
-                decode: Callable[[list[int]], str], prompts: Sequence[list[int]], params: BeamSearchParams,
-                eos_token_id: int | None) -> list[BeamSearchOutput]:
-    """`generate(prompts, sampling_params)` runs token prompts in one batch; `decode` turns ids into text."""
+BeamSteps = Generator[list[dict], list[RequestOutput], list[BeamSearchOutput]]
+
+
+def beam_step_params(params: BeamSearchParams) -> SamplingParams:
+    """What each step asks of the engine for every live beam: one token with the top 2 x beam_width logprobs."""
+    return SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
+                          ignore_eos=True, detokenize=False)
+
+
+def beam_search_steps(decode: Callable[[list[int]], str] | None, prompts: Sequence[list[int]], params: BeamSearchParams,
+                      eos_token_id: int | None) -> BeamSteps:
+    """The search as a generator, so that a blocking caller (`beam_search`) and the server's event loop drive the
+    same code: it yields each step's token prompts, is sent their outputs (with `beam_step_params`), and returns
+    the results. `decode` turns ids into text (None: the caller decodes, texts stay None)."""
     width = params.beam_width
-    step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature,
-                                 ignore_eos=True, detokenize=False)
 
     def score(beam: BeamSearchSequence) -> float:
         return beam_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
@@ -52,7 +60,7 @@ def beam_search(generate: Callable[[list[dict], SamplingParams], list[RequestOut
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
-        outs = generate([{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params)
+        outs = yield [{"prompt_token_ids": beam.tokens} for _, beam in flat]
         grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), out in zip(flat, outs):
             for tid, lp in out.outputs[0].logprobs[0].items():
@@ -69,7 +77,20 @@ def beam_search(generate: Callable[[list[dict], SamplingParams], list[RequestOut
         for beam in live[i]:
             beam.finish_reason = "length"
         best = sorted(done[i] + live[i], key=score, reverse=True)[:width]
-        for beam in best:
+        for beam in best if decode is not None else ():
             beam.text = decode(beam.tokens)
         results.append(BeamSearchOutput(best))
     return results
+
+
+def beam_search(generate: Callable[[list[dict], SamplingParams], list[RequestOutput]],
+                decode: Callable[[list[int]], str], prompts: Sequence[list[int]], params: BeamSearchParams,
+                eos_token_id: int | None) -> list[BeamSearchOutput]:
+    """`generate(prompts, sampling_params)` runs token prompts in one batch; `decode` turns ids into text."""
+    steps, step_params = beam_search_steps(decode, prompts, params, eos_token_id), beam_step_params(params)
+    try:
+        batch = next(steps)
+        while True:
+            batch = steps.send(generate(batch, step_params))
+    except StopIteration as finished:
+        return finished.value

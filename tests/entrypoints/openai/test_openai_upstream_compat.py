@@ -98,6 +98,27 @@ def test_bad_words(http, greedy_reference):
     assert bad.status_code == 400 and "bad_words must be a list of non-blank strings" in bad.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_beam_search_completions_equal_offline_beam_search(http, offline_llm, stream):
+    """use_beam_search with n beams returns the n beams of LLM.beam_search, best first, as choices."""
+    from vllm import BeamSearchParams
+    want = offline_llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0]
+    n_prompt = len(offline_llm.llm_engine.process_prompt(PROMPT)[1])
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"] if c.get("token_ids")]
+    else:
+        choices = r.json()["choices"]
+    assert [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])] == \
+        [b.tokens[n_prompt:] for b in want.sequences]
+    too_wide = http.post("/v1/completions", json={**body, "n": 11})
+    assert too_wide.status_code == 400 and "beam width" in too_wide.json()["error"]["message"]
+
+
 def test_tokens_as_token_ids_by_flag_and_by_field(http):
     on = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
                                             "return_token_ids": True}).json()["choices"][0]
@@ -159,7 +180,7 @@ def test_chat_continue_final_message_and_echo(http, offline_llm):
 
 @pytest.mark.parametrize("body, fragment", [
     ({"response_format": {"type": "json_object"}}, "needs structured outputs"),
-    ({"use_beam_search": True}, "beam search is not supported"),
+    ({"use_beam_search": True}, "use_beam_search is supported on /v1/completions only"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling is not supported"),
     ({"guided_json": {"type": "object"}}, "guided decoding is not supported"),
 ])

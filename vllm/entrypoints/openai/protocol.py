@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from vllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams
 
 # torch.Generator.manual_seed takes 64 bits, signed or unsigned; n > 1 adds the child index (at most 127).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1 - 128
@@ -130,13 +130,6 @@ class SamplingRequest(OpenAIBaseModel):
     response_format: ResponseFormat | None = None
     use_beam_search: bool = False
 
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("beam search is not supported by this server")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Any) -> Any:
@@ -175,6 +168,14 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    length_penalty: float = 1.0  # beam search's: scores are cumulative logprob / length ** length_penalty
+
+    def beam_search_params(self) -> BeamSearchParams:
+        """use_beam_search: n beams (upstream's reading of n), greedy unless a temperature is given."""
+        if not 1 <= self.n <= 10:
+            raise ValueError(f"n must be in [1, 10] with use_beam_search (it is the beam width), got {self.n}")
+        return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens or 16, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty)
 
     @field_validator("prompt")
     @classmethod
@@ -238,6 +239,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is supported on /v1/completions only")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message continues the last message, so add_generation_prompt must "
                              "be false")

@@ -21,6 +21,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         try:
             params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+            beam = req.beam_search_params() if req.use_beam_search else None
         except ValueError as e:
             raise self.error(e) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -32,10 +33,11 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, p in enumerate(prompts):
             self.log_request(f"{request_id}-{i}", p, params)
         run = _Run(self, req, request_id)
+        outputs = self.beam_search(prompts, beam, request_id) if beam is not None else \
+            self.generate(prompts, params, request_id)
         if req.stream:  # bad input raises before the response starts
-            return SSEResponse(run.stream(await started(self.generate(prompts, params, request_id))),
-                               self.stall_limit)
-        return await until_disconnect(raw, run.full(self.generate(prompts, params, request_id)))
+            return SSEResponse(run.stream(await started(outputs)), self.stall_limit)
+        return await until_disconnect(raw, run.full(outputs))
 
 
 class _Run:

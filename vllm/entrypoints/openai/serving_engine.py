@@ -3,9 +3,11 @@ as engine requests with metrics, error mapping, and the SSE / disconnect plumbin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -13,8 +15,9 @@ from starlette.responses import Response, StreamingResponse
 
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
-from vllm.outputs import PromptLogprobs, RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.beam_search import beam_search_steps, beam_step_params
+from vllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vllm.entrypoints.openai")
 
@@ -181,6 +184,32 @@ class OpenAIServing:
             return APIError(503, "the server is shutting down; the request was not completed")
         logger.error("request failed: %s", e)
         return APIError(500, f"the engine failed: {e}")
+
+    async def beam_search(self, prompts: list[str | list[int] | dict], params: BeamSearchParams,
+                          request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, final output) for each prompt, its choices the beams, best first. Each step runs every
+        live beam as an engine request through `generate` (vllm/beam_search.py drives the search)."""
+        tok = self.engine.tokenizer
+        ids = [p if isinstance(p, list) else p["prompt_token_ids"] if isinstance(p, dict) else tok.encode(p)
+               for p in prompts]
+        step_params = dataclasses.replace(beam_step_params(params), output_kind=RequestOutputKind.FINAL_ONLY)
+        steps = beam_search_steps(None, ids, params, tok.eos_token_id)
+        try:
+            batch, step = next(steps), 0
+            while True:
+                outs: list[RequestOutput | None] = [None] * len(batch)
+                async with aclosing(self.generate(batch, step_params, f"{request_id}-beam{step}")) as gen:
+                    async for j, out in gen:
+                        outs[j] = out
+                batch, step = steps.send(outs), step + 1
+        except StopIteration as finished:
+            results = finished.value
+        for i, result in enumerate(results):
+            n = len(ids[i])
+            beams = [CompletionOutput(j, tok.decode(b.tokens[n:], skip_special_tokens=True), b.tokens[n:],
+                                      b.cum_logprob, None, b.finish_reason, b.stop_reason)
+                     for j, b in enumerate(result.sequences)]
+            yield i, RequestOutput(f"{request_id}-{i}", None, ids[i], None, beams, True)
 
     async def generate(self, prompts: list[str | list[int] | dict], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
