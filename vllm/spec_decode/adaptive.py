@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm.utils import async_tensor_h2d
+
 MIN_VERIFY_COST = 1e-6  # a verify step is never free: keeps the ratio finite
 
 
@@ -122,7 +124,7 @@ class AdaptiveVerifier:
         budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
         self.last_budget = budget
         host = [1 + c for c in even_split(budget, drafts)]
-        device_drafts = torch.tensor(drafts, dtype=torch.int64).to(device_conf.device, non_blocking=True)
+        device_drafts = async_tensor_h2d(drafts, torch.int64, device_conf.device)
         return host, 1 + device_split(device_conf, device_drafts, budget)
 
 
@@ -145,10 +147,10 @@ class DraftConfidences:
         K = self.num_spec
         if self.device is None:
             ones = np.ones((len(request_ids), K), dtype=np.float32)
-            return torch.from_numpy(ones).to(self.table_device), ones
+            return async_tensor_h2d(ones, torch.float32, self.table_device), ones
         # Row -1: a request with no confidences yet; it reads the 1.0 row appended here.
         picks = [self.index.get(rid, -1) for rid in request_ids]
         table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])
         host_table = np.concatenate([self.host.float().numpy(), np.ones((1, K), dtype=np.float32)])
-        idx = torch.tensor(picks, dtype=torch.int64).to(table.device, non_blocking=True)
+        idx = async_tensor_h2d(picks, torch.int64, table.device)  # pinned: a pageable copy would wait for the GPU
         return table[idx], host_table[picks]
