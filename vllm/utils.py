@@ -47,3 +47,15 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of one of `markers`: a streaming parser holds
+    them back until the next delta says whether a marker (a tool-call or thinking delimiter) begins there."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
