@@ -11,6 +11,7 @@ import torch
 
 from vllm.model_executor.models.dspark.config import DSparkConfig, read_dspark_config
 from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.generation_config import eos_token_ids, sampling_defaults
 
 MLA_BACKENDS = ("auto", "TORCH_MLA", "TRITON_MLA", "FLASHINFER_MLA")
 KDA_PREFILL_BACKENDS = ("auto", "torch", "triton", "flashkda", "flashinfer")
@@ -32,11 +33,22 @@ class ModelConfig:
     max_model_len: int
     hf_config: KimiK3TextConfig
     device: torch.device
+    trust_remote_code: bool = False  # the tokenizer may run its checkpoint's own code
+    generation_config: str = "auto"  # --generation-config: auto, vllm or a directory
+    hf_generation_config: dict = field(default_factory=dict)  # that generation_config.json's fields ({}: none)
 
     def __post_init__(self) -> None:
         limit = self.hf_config.max_position_embeddings
         _require(1 <= self.max_model_len <= limit, "--max-model-len", self.max_model_len,
                  f"1 <= value <= the model's max_position_embeddings={limit}")
+
+    def get_diff_sampling_param(self) -> dict:
+        """SamplingParams keywords that generation_config.json sets: the defaults of requests that leave them
+        unset (upstream's name)."""
+        return sampling_defaults(self.hf_generation_config)
+
+    def generation_eos_token_ids(self) -> list[int]:
+        return eos_token_ids(self.hf_generation_config) or []
 
 
 @dataclass(slots=True)

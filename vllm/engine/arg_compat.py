@@ -76,8 +76,6 @@ ENGINE_ARGS = {a.name: a for a in [
     UpstreamArg("download_dir", IGNORED, "models load from local directories only", (), str),
     UpstreamArg("tokenizer_mode", UNSUPPORTED, "the tokenizer loads through transformers' AutoTokenizer", (), str,
                 _is("auto", "hf", "slow")),
-    UpstreamArg("trust_remote_code", UNSUPPORTED, "remote-code tokenizers and configs are not supported yet", (),
-                None),
     UpstreamArg("skip_tokenizer_init", UNSUPPORTED, "the engine detokenizes and needs its tokenizer", (), None),
     UpstreamArg("max_seq_len_to_capture", IGNORED, "graphs cover decode batches of any context length", (), int,
                 lambda v: True),

@@ -14,6 +14,7 @@ from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS
                          CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                          VllmConfig)
 from vllm.model_executor.model_loader import load_config, read_config_json, resolve_dtype
+from vllm.transformers_utils.generation_config import log_defaults, read_generation_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # half, float: upstream's aliases
 CPU_KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB, as upstream's CPU backend
@@ -47,6 +48,8 @@ class EngineArgs:
     speculative_config: str | dict | None = None  # JSON text (CLI) or a dict (LLM(...))
     compilation_config: str | dict | None = None
     async_scheduling: bool | None = None  # None: on for CUDA without speculation
+    trust_remote_code: bool = False
+    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; or a directory
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,6 +57,12 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model, help="model directory (default: the built-in tiny Kimi-K3)")
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="run the tokenizer's own Python code from its directory (tokenizer_config.json's "
+                            "auto_map), as the published Kimi checkpoints' TikToken tokenizers need")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="where default sampling parameters and extra eos ids come from: 'auto' (the model's "
+                            "generation_config.json, if any), 'vllm' (none) or a directory holding one")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and activations dtype")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
@@ -119,9 +128,14 @@ class EngineArgs:
             raise ValueError(f"--max-model-len must be an integer >= 1 (or unset for the model's "
                              f"{hf_config.max_position_embeddings}), got {self.max_model_len!r}")
         max_model_len = self.max_model_len or hf_config.max_position_embeddings
+        generation = read_generation_config(self.model, self.generation_config)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer or self.model,
                                    dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,
-                                   hf_config=hf_config, device=device)
+                                   hf_config=hf_config, device=device, trust_remote_code=bool(self.trust_remote_code),
+                                   generation_config=self.generation_config, hf_generation_config=generation)
+        extra_eos = sorted(set(model_config.generation_eos_token_ids()) - set(hf_config.eos_token_ids))
+        log_defaults(self.model if self.generation_config == "auto" else self.generation_config,
+                     model_config.get_diff_sampling_param(), extra_eos)
         spec = None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)
         async_scheduling = self._async_scheduling(device, spec)
         kv_bytes = self.kv_cache_memory_bytes

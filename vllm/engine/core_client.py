@@ -117,7 +117,8 @@ class MPClient:
         core_outbox.close()
         try:
             self.config, self._stats = self._await_ready()
-            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+            mc = self.config.model_config
+            self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         except BaseException as e:  # a bad checkpoint, Ctrl-C while loading: nothing may outlive us
             self._reap(0 if isinstance(e, KeyboardInterrupt) else 5)
             raise

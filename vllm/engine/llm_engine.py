@@ -38,7 +38,7 @@ class LLMEngine:
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
         mc = config.model_config
-        self.tokenizer = get_tokenizer(mc.tokenizer)
+        self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         check_vocab(self.tokenizer, mc.tokenizer, mc.hf_config.vocab_size)  # before the (slow) model load
         self.runner = ModelRunner(config)
         self.kv_cache_manager = self.runner.initialize_cache()
@@ -49,7 +49,8 @@ class LLMEngine:
         self.proposer = NgramProposer.from_config(spec, config.model_config.max_model_len) \
             if spec is not None and spec.method == "ngram" else None
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | (
+        # generation_config.json may end sequences on more ids than config.json (a chat model's <|im_end|>).
+        self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | set(mc.generation_eos_token_ids()) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.vocab_size = mc.hf_config.vocab_size
         self.penalties = PenaltyCounts(self.vocab_size, mc.device)

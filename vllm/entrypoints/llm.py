@@ -39,7 +39,7 @@ class LLM:
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or not all(
@@ -66,8 +66,9 @@ class LLM:
                            tok.eos_token_id)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """The SamplingParams a call without any uses."""
-        return SamplingParams()
+        """The SamplingParams a call without any uses: vLLM's defaults, overridden by the fields the model's
+        generation_config.json sets (unless --generation-config vllm)."""
+        return SamplingParams(**self.llm_engine.config.model_config.get_diff_sampling_param())
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -1,6 +1,7 @@
 """Tokenizer loading through transformers' AutoTokenizer, from the model directory or another one."""
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +17,12 @@ def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", t
                   revision: str | None = None, **kwargs) -> PreTrainedTokenizerBase:
     """The tokenizer in a local directory. Upstream's keywords are taken so that callers of its get_tokenizer
     (lm-eval) run; those asking for what this loader does not do are refused by name. Other keywords go to
-    AutoTokenizer.from_pretrained."""
-    if trust_remote_code:
-        raise ValueError("trust_remote_code=True is not supported yet: tokenizers load without remote code")
+    AutoTokenizer.from_pretrained.
+
+    With trust_remote_code the tokenizer's own code (tokenizer_config.json's auto_map, e.g. the published Kimi
+    checkpoints' tokenization_kimi.py over tiktoken) is imported and run; without it such a tokenizer is refused
+    here, by name, rather than left to transformers (which would ask [y/N] on a terminal, or convert tiktoken.model
+    itself with its own guess of the pre-tokenizer pattern)."""
     if revision is not None:
         raise ValueError(f"revision={revision!r}: tokenizers load from local directories only")
     if tokenizer_mode not in ("auto", "hf", "slow"):
@@ -27,19 +31,44 @@ def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", t
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointNotFoundError(f"no tokenizer in {path}: expected tokenizer.json or tokenizer_config.json "
                                       "(pass --tokenizer DIR to load it from elsewhere)")
+    if not trust_remote_code and needs_remote_code(path):
+        raise ValueError(_remote_code_message(path))
     # transformers does not know model_type 'kimi_k3' and warns while probing config.json; the
     # tokenizer files themselves are complete, so the warning is noise here.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path), **kwargs)
+        # An explicit False, never None: None makes transformers prompt [y/N] on a terminal.
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(trust_remote_code), **kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the library raises, the message must name the files
+        if not trust_remote_code and "trust_remote_code" in str(e):  # remote code asked for elsewhere (config)
+            raise ValueError(_remote_code_message(path)) from None
         # The tokenizers library reports a corrupt file without naming it.
         files = [f.name for f in sorted(path.glob("tokenizer*.json")) + sorted(path.glob("special_tokens_map.json"))]
         raise CheckpointError(f"the tokenizer in {path} ({', '.join(files)}) could not be loaded: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def needs_remote_code(path: Path) -> bool:
+    """A tokenizer that only its own code can build: tokenizer_config.json maps AutoTokenizer to a class shipped
+    with the checkpoint, and there is no tokenizer.json that transformers could load instead."""
+    if (path / "tokenizer.json").is_file():
+        return False
+    try:
+        auto_map = json.loads((path / "tokenizer_config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return False  # unreadable or malformed: the load below reports it, naming the file
+    if isinstance(auto_map, (list, tuple)):  # the legacy form: [slow class, fast class]
+        return any(auto_map)
+    return isinstance(auto_map, dict) and bool(auto_map.get("AutoTokenizer"))
+
+
+def _remote_code_message(path: Path) -> str:
+    return (f"the tokenizer in {path} needs remote code (tokenizer_config.json's auto_map names a class in a "
+            "Python file of the checkpoint, as the published Kimi checkpoints' tokenization_kimi.py): pass "
+            "--trust-remote-code (LLM(..., trust_remote_code=True)) to run it, after reading that file")
 
 
 def check_vocab(tokenizer: PreTrainedTokenizerBase, path: str | Path, model_vocab_size: int) -> None:

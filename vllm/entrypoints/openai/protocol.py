@@ -143,13 +143,19 @@ class SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
         """SamplingParams validate ranges and raise ValueError naming the field (the server's 400). Outputs are
         DELTA (each new piece once): streams send them on, whole answers join them; the server's latency
-        metrics see every step either way."""
+        metrics see every step either way. `defaults` (generation_config.json's, as SamplingParams keywords)
+        fill the fields the request did not set."""
         optional = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                   "frequency_penalty", "repetition_penalty")}
+        for k, v in (defaults or {}).items():
+            if k in optional and k not in self.model_fields_set:
+                optional[k] = v
+        if "max_tokens" in (defaults or {}) and not {"max_tokens", "max_completion_tokens"} & self.model_fields_set:
+            max_tokens = defaults["max_tokens"]
         if self.prompt_logprobs is not None:  # asked for directly, beside what echo needs: the larger
             asked = (self.prompt_logprobs, prompt_logprobs if prompt_logprobs is not None else 0)
             prompt_logprobs = -1 if -1 in asked else max(asked)

@@ -42,7 +42,8 @@ class OpenAIServingChat(OpenAIServing):
             ids = ids[-req.truncate_prompt_tokens:]
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         try:
-            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+            params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                         defaults=self.default_sampling)
         except ValueError as e:
             raise self.error(e) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -20,7 +20,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # With echo, logprobs cover the prompt too, as OpenAI's do.
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         try:
-            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+            params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs, self.default_sampling)
             beam = req.beam_search_params() if req.use_beam_search else None
         except ValueError as e:
             raise self.error(e) from None

@@ -141,6 +141,8 @@ class OpenAIServing:
     def __init__(self, engine, settings: ServerSettings, metrics: Metrics) -> None:
         self.engine, self.settings, self.metrics = engine, settings, metrics
         self.shutting_down = False
+        # generation_config.json's sampling fields: the defaults of requests that leave them unset.
+        self.default_sampling = engine.config.model_config.get_diff_sampling_param()
 
     def stall_limit(self) -> float:
         return STALLED_AT_SHUTDOWN_S if self.shutting_down else STALLED_CLIENT_S
