@@ -94,8 +94,11 @@ CASES = [
      "top_logprobs needs logprobs", None),
     ("chat-two-max", "POST", "/v1/chat/completions", _json({**CHAT, "max_completion_tokens": 3}), 400,
      "not both", None),
-    ("chat-tools", "POST", "/v1/chat/completions", _json({**CHAT, "tools": [{"type": "function"}]}), 400,
-     "tools: tool calling is not supported", None),
+    ("chat-tool-no-function", "POST", "/v1/chat/completions", _json({**CHAT, "tools": [{"type": "function"}]}),
+     400, "tools[0].function", "tools[0].function"),
+    ("chat-tools-no-parser", "POST", "/v1/chat/completions", _json({**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}), 400, "requires --enable-auto-tool-choice",
+     "tool_choice"),
     ("detokenize-bad-id", "POST", "/detokenize", _json({"tokens": [-1]}), 400, "outside the vocabulary", "tokens"),
     ("tokenize-both", "POST", "/tokenize", _json({"prompt": "x", "messages": CHAT["messages"]}), 400,
      "exactly one of prompt or messages", None),

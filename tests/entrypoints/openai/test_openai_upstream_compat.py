@@ -181,7 +181,8 @@ def test_chat_continue_final_message_and_echo(http, offline_llm):
 @pytest.mark.parametrize("body, fragment", [
     ({"response_format": {"type": "json_object"}}, "needs structured outputs"),
     ({"use_beam_search": True}, "use_beam_search is supported on /v1/completions only"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
     ({"guided_json": {"type": "object"}}, "guided decoding is not supported"),
 ])
 def test_known_but_unsupported_fields_are_refused(http, body, fragment):
@@ -218,7 +219,10 @@ def test_unsupported_upstream_flags_fail_naming_them(tmp_path):
     for flags, fragment in [(["-tp", "2"], "--tensor-parallel-size=2 is not supported by this engine"),
                             (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype='fp8' is not supported"),
                             (["--api-server-count", "2"], "--api-server-count=2 is not supported"),
-                            (["--quantization", "awq"], "--quantization='awq' is not supported")]:
+                            (["--quantization", "awq"], "--quantization='awq' is not supported"),
+                            (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+                            (["--tool-call-parser", "hermes"], "--tool-call-parser 'hermes' is not supported"),
+                            (["--reasoning-parser", "qwen3"], "--reasoning-parser 'qwen3' is not supported")]:
         r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0", *flags],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and fragment in r.stderr, r.stderr

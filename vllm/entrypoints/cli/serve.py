@@ -51,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="GET /tokenizer_info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc nor /openapi.json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None, help="how tool calls are read from answers: kimi_k2")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="how thinking is split from answers into reasoning_content: kimi_k2")
     add_upstream_args(p, SERVER_ARGS)
     EngineArgs.add_cli_args(p)
 
@@ -96,6 +101,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} is invalid: expected seconds >= 0")
     check_upstream_args({name: getattr(args, name) for name in SERVER_ARGS if getattr(args, name) is not None},
                         SERVER_ARGS)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (kimi_k2) to read the calls")
+    from vllm.entrypoints.openai.chat_tools import ToolSettings
+    from vllm.entrypoints.openai.tool_parsers import get_tool_parser
+    from vllm.reasoning import get_reasoning_parser
+    tools = ToolSettings(args.enable_auto_tool_choice,
+                         get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None,
+                         get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None)
     chat_template = read_chat_template(args.chat_template)
     # The port first: a port in use is reported in a second, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
@@ -115,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                               enable_server_load_tracking=args.enable_server_load_tracking,
                               enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                               shutdown_timeout_s=args.shutdown_timeout, root_path=args.root_path,
-                              access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs)
+                              access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs,
+                              tools=tools)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         return run_server(engine, settings, sock, args.uvicorn_log_level)

@@ -3,8 +3,8 @@
 Known fields parse as upstream's pydantic models do: in pydantic's lax mode, where "5" is 5 and "true" is true
 (upstream's own tests send `"logprobs": "true"`). A value that is not one is a 400 that names the field. Unknown
 fields are accepted and ignored with a logged warning, as upstream does: clients built for other servers send
-extras (`user`, `metadata`, ...). Fields we know but cannot honour (`tools`, guided decoding, JSON response
-formats, beam search) are refused with a 400 saying so, rather than ignored into a different answer.
+extras (`user`, `metadata`, ...). Fields we know but cannot honour (`functions`, guided decoding, JSON response
+formats, beam search on chat) are refused with a 400 saying so, rather than ignored into a different answer.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from vllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKi
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1 - 128
 # Known to upstream's schema, and not something this engine can do: a 400 naming the reason.
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported by this server yet",
     "functions": "function calling is not supported by this server",
     "guided_json": "guided decoding is not supported by this server",
     "guided_regex": "guided decoding is not supported by this server",
@@ -205,6 +204,18 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, passed to the chat template as given
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(OpenAIBaseModel):
     """Any role (the chat template decides what it means); keys beyond these go to the template as given."""
     role: str
@@ -237,7 +248,9 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False  # the response starts with the last message's content when its role is the answer's
     chat_template: str | None = None  # a Jinja template for this request (default: the server's)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
-    tool_choice: Any = None  # "none" (or absent) only: tools are refused above
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or a named function (chat_tools.tool_choice_mode)
+    parallel_tool_calls: bool | None = None  # accepted; the model may call several tools either way
 
     @model_validator(mode="after")
     def _chat_fields(self):
@@ -250,8 +263,6 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message continues the last message, so add_generation_prompt must "
                              "be false")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which this server does not support")
         return self
 
 
@@ -264,6 +275,7 @@ class TokenizeRequest(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered by the chat template, as for a chat completion
     return_token_strs: bool = False
 
     @model_validator(mode="after")

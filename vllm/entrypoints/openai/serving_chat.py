@@ -3,6 +3,7 @@ chat.completion.chunk events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from contextlib import aclosing
@@ -10,12 +11,14 @@ from contextlib import aclosing
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
+from vllm.entrypoints.openai.chat_tools import ChoiceParser, check_tool_settings, forced_prefix, tool_choice_mode
 from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
                                                     started, until_disconnect)
 from vllm.outputs import Logprob, OutputJoiner
 
 ROLE = "assistant"  # the role of every answer
+PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the answer's thinking
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -25,6 +28,8 @@ class OpenAIServingChat(OpenAIServing):
         beats the tokenizer's own."""
         conversation = [m.model_dump(exclude_none=True) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # the template renders them (transformers' `tools` argument)
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         template = req.chat_template or self.settings.chat_template
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, conversation,
@@ -37,22 +42,37 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        tools = self.settings.tools
+        try:
+            mode, name = tool_choice_mode([t.model_dump() for t in req.tools or []], req.tool_choice)
+            check_tool_settings(mode, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), "tool_choice") from None
         ids = await self.prompt_ids(req)
         if req.truncate_prompt_tokens is not None:
             ids = ids[-req.truncate_prompt_tokens:]
+        prefix = forced_prefix(mode, name)
+        if prefix:  # the answer starts inside the tool-call section: the prompt ends with its opening
+            ids = ids + self.engine.tokenizer.encode(prefix, add_special_tokens=False)
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
         try:
             params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                          defaults=self.default_sampling)
         except ValueError as e:
             raise self.error(e) from None
+        parse_tools = mode != "none" and tools.tool_parser is not None
+        if parse_tools or tools.reasoning_parser is not None:
+            # The markers the parsers read are special tokens: the text must keep them.
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        prompt_text = self.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]) if tools.reasoning_parser else ""
+        parsers = [ChoiceParser(tools, parse_tools, prompt_text, prefix) for _ in range(req.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.log_request(request_id, ids, params)
         base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         outputs = self.generate([{"prompt_token_ids": ids}], params, request_id)
         if req.stream:  # bad input raises before the response starts
-            return SSEResponse(self.stream(req, await started(outputs), base), self.stall_limit)
-        return await until_disconnect(raw, self.full(req, outputs, base))
+            return SSEResponse(self.stream(req, await started(outputs), base, parsers), self.stall_limit)
+        return await until_disconnect(raw, self.full(req, outputs, base, parsers))
 
     @staticmethod
     def echoed(req: ChatCompletionRequest) -> str:
@@ -60,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         last = req.messages[-1]
         return (last.content or "") if req.echo and last.role == ROLE else ""
 
-    async def full(self, req: ChatCompletionRequest, outputs, base: dict) -> Response:
+    async def full(self, req: ChatCompletionRequest, outputs, base: dict, parsers: list[ChoiceParser]) -> Response:
         joined = OutputJoiner()
         async with aclosing(outputs):
             async for _, out in outputs:
@@ -69,9 +89,17 @@ class OpenAIServingChat(OpenAIServing):
         echo = self.echoed(req)
         choices = []
         for c in last.outputs:
-            choice = {"index": c.index, "message": {"role": ROLE, "content": echo + c.text},
+            message = {"role": ROLE, "content": echo + c.text}
+            finish_reason = c.finish_reason
+            if parsers[c.index].active:
+                message = {"role": ROLE, **parsers[c.index].message(c.text)}
+                if echo:
+                    message["content"] = echo + (message["content"] or "")
+                if "tool_calls" in message and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choice = {"index": c.index, "message": message,
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
@@ -83,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs)
         return JSONResponse(body)
 
-    async def stream(self, req: ChatCompletionRequest, outputs, base: dict):
+    async def stream(self, req: ChatCompletionRequest, outputs, base: dict, parsers: list[ChoiceParser]):
         base = {**base, "object": "chat.completion.chunk"}
         prompt_tokens, completion_tokens = 0, 0
         final_usage, continuous = self.include_usage(req)
@@ -105,11 +133,17 @@ class OpenAIServingChat(OpenAIServing):
                         yield sse(self._with_usage(chunk, continuous, prompt_tokens, completion_tokens))
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
-                        if not (c.text or c.finish_reason or (c.token_ids and c.logprobs is not None)):
-                            continue  # text held back (a possible stop string) and no logprobs to send
-                        choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                        parser = parsers[c.index]
+                        delta = parser.delta(c.text, c.finish_reason is not None) if parser.active else \
+                            ({"content": c.text} if c.text else {})
+                        if not (delta or c.finish_reason or (c.token_ids and c.logprobs is not None)):
+                            continue  # text held back (a stop string, a marker) and no logprobs to send
+                        finish_reason = c.finish_reason
+                        if finish_reason == "stop" and parser.called_tools:
+                            finish_reason = "tool_calls"
+                        choice = {"index": c.index, "delta": delta,
                                   "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                                  "finish_reason": finish_reason, "stop_reason": c.stop_reason}
                         if req.return_token_ids:
                             choice["token_ids"] = c.token_ids
                         yield sse(self._with_usage({**base, "choices": [choice]}, continuous, prompt_tokens,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
+from vllm.entrypoints.openai.chat_tools import ToolSettings
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
 from vllm.beam_search import beam_search_steps, beam_step_params
@@ -45,6 +46,7 @@ class ServerSettings:
     root_path: str = ""
     access_log: bool = True
     docs: bool = True  # FastAPI's /docs, /redoc, /openapi.json
+    tools: ToolSettings = ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
