@@ -15,7 +15,10 @@ from vllm.tools.make_tiny_model import write_tiny_model
 
 FILES = Path(__file__).parent / "kimi_checkpoint_files"
 NAMED_SPECIALS = ["[BOS]", "[EOS]", "[UNK]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
-                  "<|im_system|>", "<|im_middle|>"]
+                  "<|im_system|>", "<|im_middle|>",
+                  # Kimi's tool-call and thinking markers, special tokens as in the published tokenizers
+                  "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                  "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"]
 CORPUS = ("the quick brown fox jumps over the lazy dog. hello world, hello there! the cat sat on the mat; "
           "one two three four five six seven eight nine ten. what is the answer? the answer is 42.")
 NUM_MERGES = 48

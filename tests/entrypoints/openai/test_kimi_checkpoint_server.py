@@ -75,3 +75,28 @@ def test_generation_config_vllm_and_chat_template_override(start_server, kimi_di
     tok = get_tokenizer(kimi_dir, trust_remote_code=True)
     ids = post(server, "/tokenize", {"messages": MESSAGES})["tokens"]
     assert ids == tok.encode("[BOS]hi")
+
+
+def test_tool_calls_through_serve_on_the_kimi_checkpoint(start_server, kimi_dir):
+    """The tool flags on `vllm serve`: a named tool_choice makes the answer start inside that function's call (the
+    prompt ends with the call's header, in the tokenizer's own special tokens), so whatever the tiny model writes
+    next, the response carries the call. Without tool_choice the model's own answer comes back as a message."""
+    import openai
+    server = start_server(kimi_dir, "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
+                          "kimi_k2", "--reasoning-parser", "kimi_k2")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    named = client.chat.completions.create(
+        model=server.args[0], messages=MESSAGES, tools=tools, max_tokens=4,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert (call.id, call.function.name) == ("functions.get_weather:0", "get_weather")
+    tok = get_tokenizer(kimi_dir, trust_remote_code=True)
+    header = tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                        "<|tool_call_argument_begin|>", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(header)[0] == "<|tool_calls_section_begin|>"  # one special token
+    plain = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert named.usage.prompt_tokens == len(plain) + len(header)
+    auto = client.chat.completions.create(model=server.args[0], messages=MESSAGES, tools=tools, max_tokens=4)
+    assert auto.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert auto.usage.completion_tokens <= 4
