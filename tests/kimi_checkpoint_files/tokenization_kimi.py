@@ -8,7 +8,10 @@ import base64
 from pathlib import Path
 
 import tiktoken
-from transformers import PreTrainedTokenizer
+# The published tokenization_kimi.py files import these two from here (transformers 4's layout), so ours does too:
+# the engine must make them importable under transformers 5.
+from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+from transformers.tokenization_utils import PreTrainedTokenizer
 
 # GPT-2's pre-tokenizer split (words with their leading space, numbers, punctuation runs, spaces).
 PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -23,18 +26,6 @@ def load_ranks(path: str | Path) -> dict[bytes, int]:
     return ranks
 
 
-def byte_alphabet() -> list[str]:
-    """A printable character per byte (byte-level BPE's alphabet), so every token has a string spelling."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 256
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b], extra = chr(extra), extra + 1
-    return [chars[b] for b in range(256)]
-
-
 class TikTokenTokenizer(PreTrainedTokenizer):
     vocab_files_names = {"vocab_file": "tiktoken.model"}
     model_input_names = ["input_ids", "attention_mask"]
@@ -47,8 +38,8 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         self.vocab_file = vocab_file
         self.model = tiktoken.Encoding(name=Path(vocab_file).stem, pat_str=PATTERN, mergeable_ranks=ranks,
                                        special_tokens=specials)
-        alphabet = byte_alphabet()
-        self._byte_of = {c: b for b, c in enumerate(alphabet)}
+        alphabet = bytes_to_unicode()  # a printable character per byte: every token has a string spelling
+        self._byte_of = {c: b for b, c in alphabet.items()}
         self._spelt = {rank: "".join(alphabet[b] for b in token) for token, rank in ranks.items()}
         self._ids = {s: i for i, s in self._spelt.items()}
         super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,

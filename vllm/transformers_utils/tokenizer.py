@@ -33,6 +33,8 @@ def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", t
                                       "(pass --tokenizer DIR to load it from elsewhere)")
     if not trust_remote_code and needs_remote_code(path):
         raise ValueError(_remote_code_message(path))
+    if trust_remote_code:
+        _restore_transformers4_names()
     # transformers does not know model_type 'kimi_k3' and warns while probing config.json; the
     # tokenizer files themselves are complete, so the warning is noise here.
     verbosity = transformers.logging.get_verbosity()
@@ -49,6 +51,16 @@ def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", t
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def _restore_transformers4_names() -> None:
+    """The published Kimi tokenization_kimi.py files import bytes_to_unicode from GPT-2's tokenizer module, where
+    transformers 4 had it; transformers 5 keeps it only in convert_slow_tokenizer, so their import fails. Put it
+    back where they look (the same function)."""
+    from transformers.models.gpt2 import tokenization_gpt2
+    if not hasattr(tokenization_gpt2, "bytes_to_unicode"):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        tokenization_gpt2.bytes_to_unicode = bytes_to_unicode
 
 
 def needs_remote_code(path: Path) -> bool:
