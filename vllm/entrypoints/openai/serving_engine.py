@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
+from vllm.beam_search import beam_search_steps, beam_step_params
 from vllm.entrypoints.openai.chat_tools import ToolSettings
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
-from vllm.beam_search import beam_search_steps, beam_step_params
 from vllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
