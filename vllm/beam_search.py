@@ -29,9 +29,9 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None, length_penalty: float) -> float:
+def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: frozenset[int], length_penalty: float) -> float:
     """Upstream's score: cumulative logprob over length ** length_penalty, a final eos not counted."""
-    n = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    n = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
     return cum_logprob / (max(n, 1) ** length_penalty)
 
 
@@ -45,14 +45,14 @@ def beam_step_params(params: BeamSearchParams) -> SamplingParams:
 
 
 def beam_search_steps(decode: Callable[[list[int]], str] | None, prompts: Sequence[list[int]], params: BeamSearchParams,
-                      eos_token_id: int | None) -> BeamSteps:
+                      eos_token_ids: frozenset[int]) -> BeamSteps:
     """The search as a generator, so that a blocking caller (`beam_search`) and the server's event loop drive the
     same code: it yields each step's token prompts, is sent their outputs (with `beam_step_params`), and returns
     the results. `decode` turns ids into text (None: the caller decodes, texts stay None)."""
     width = params.beam_width
 
     def score(beam: BeamSearchSequence) -> float:
-        return beam_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
+        return beam_score(beam.tokens, beam.cum_logprob, eos_token_ids, params.length_penalty)
 
     live = [[BeamSearchSequence(tokens=list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -66,7 +66,7 @@ def beam_search_steps(decode: Callable[[list[int]], str] | None, prompts: Sequen
             for tid, lp in out.outputs[0].logprobs[0].items():
                 child = BeamSearchSequence(beam.tokens + [tid], beam.logprobs + [out.outputs[0].logprobs[0]],
                                            beam.cum_logprob + lp.logprob)
-                if tid == eos_token_id and not params.ignore_eos:
+                if tid in eos_token_ids and not params.ignore_eos:
                     child.finish_reason, child.stop_reason = "stop", tid
                     done[i].append(child)
                 else:
@@ -84,10 +84,11 @@ def beam_search_steps(decode: Callable[[list[int]], str] | None, prompts: Sequen
 
 
 def beam_search(generate: Callable[[list[dict], SamplingParams], list[RequestOutput]],
-                decode: Callable[[list[int]], str], prompts: Sequence[list[int]], params: BeamSearchParams,
-                eos_token_id: int | None) -> list[BeamSearchOutput]:
-    """`generate(prompts, sampling_params)` runs token prompts in one batch; `decode` turns ids into text."""
-    steps, step_params = beam_search_steps(decode, prompts, params, eos_token_id), beam_step_params(params)
+                decode: Callable[[list[int]], str] | None, prompts: Sequence[list[int]], params: BeamSearchParams,
+                eos_token_ids: frozenset[int]) -> list[BeamSearchOutput]:
+    """`generate(prompts, sampling_params)` runs token prompts in one batch; `decode` turns ids into text (None:
+    texts stay None). A beam ends at any of `eos_token_ids`."""
+    steps, step_params = beam_search_steps(decode, prompts, params, eos_token_ids), beam_step_params(params)
     try:
         batch = next(steps)
         while True:

@@ -47,8 +47,11 @@ class ModelConfig:
         unset (upstream's name)."""
         return sampling_defaults(self.hf_generation_config)
 
-    def generation_eos_token_ids(self) -> list[int]:
-        return eos_token_ids(self.hf_generation_config) or []
+    def eos_token_ids(self, tokenizer_eos_token_id: int | None) -> frozenset[int]:
+        """Every id that ends a sequence: config.json's, generation_config.json's (a chat model's <|im_end|>) and
+        the tokenizer's."""
+        ids = set(self.hf_config.eos_token_ids) | set(eos_token_ids(self.hf_generation_config) or [])
+        return frozenset(ids | ({tokenizer_eos_token_id} if tokenizer_eos_token_id is not None else set()))
 
 
 @dataclass(slots=True)

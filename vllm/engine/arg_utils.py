@@ -133,7 +133,7 @@ class EngineArgs:
                                    dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,
                                    hf_config=hf_config, device=device, trust_remote_code=bool(self.trust_remote_code),
                                    generation_config=self.generation_config, hf_generation_config=generation)
-        extra_eos = sorted(set(model_config.generation_eos_token_ids()) - set(hf_config.eos_token_ids))
+        extra_eos = sorted(model_config.eos_token_ids(None) - set(hf_config.eos_token_ids))
         log_defaults(self.model if self.generation_config == "auto" else self.generation_config,
                      model_config.get_diff_sampling_param(), extra_eos)
         spec = None if self.speculative_config is None else SpeculativeConfig.from_json(self.speculative_config)

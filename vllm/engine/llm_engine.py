@@ -49,9 +49,7 @@ class LLMEngine:
         self.proposer = NgramProposer.from_config(spec, config.model_config.max_model_len) \
             if spec is not None and spec.method == "ngram" else None
         self.output_processor = OutputProcessor(self.tokenizer)
-        # generation_config.json may end sequences on more ids than config.json (a chat model's <|im_end|>).
-        self.eos_token_ids = frozenset(mc.hf_config.eos_token_ids) | set(mc.generation_eos_token_ids()) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
         self.penalties = PenaltyCounts(self.vocab_size, mc.device)
         # Async scheduling: the step queued on the device whose outputs are not processed yet.

@@ -63,7 +63,7 @@ class LLM:
         ids = [engine.process_prompt(p)[1] for p in prompts]
         tok = self.get_tokenizer()
         return beam_search(lambda batch, sp: self.generate(batch, sp, use_tqdm=use_tqdm), tok.decode, ids, params,
-                           tok.eos_token_id)
+                           engine.eos_token_ids)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams a call without any uses: vLLM's defaults, overridden by the fields the model's

@@ -197,7 +197,7 @@ class OpenAIServing:
         ids = [p if isinstance(p, list) else p["prompt_token_ids"] if isinstance(p, dict) else tok.encode(p)
                for p in prompts]
         step_params = dataclasses.replace(beam_step_params(params), output_kind=RequestOutputKind.FINAL_ONLY)
-        steps = beam_search_steps(None, ids, params, tok.eos_token_id)
+        steps = beam_search_steps(None, ids, params, self.engine.config.model_config.eos_token_ids(tok.eos_token_id))
         try:
             batch, step = next(steps), 0
             while True:
