@@ -32,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"])
     serve.add_argument("--model", default=None, help="served model name (default: the server's first)")
     serve.add_argument("--tokenizer", default=None, help="a local tokenizer: random prompt ids stay in its vocab")
+    serve.add_argument("--trust-remote-code", action="store_true", help="that tokenizer may run its own code")
     serve.add_argument("--dataset-name", default="random", choices=["random"])
     serve.add_argument("--random-input-len", type=int, default=1024)
     serve.add_argument("--random-output-len", type=int, default=128)
@@ -74,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _vocab_size(tokenizer_dir: str | None) -> int:
+def _vocab_size(tokenizer_dir: str | None, trust_remote_code: bool) -> int:
     if tokenizer_dir and Path(tokenizer_dir).is_dir():
         from vllm.transformers_utils.tokenizer import get_tokenizer
-        return len(get_tokenizer(tokenizer_dir))
+        return len(get_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code))
     return 500  # below every real vocabulary
 
 
@@ -85,7 +86,7 @@ def bench_serve(args: argparse.Namespace) -> dict:
     from vllm.benchmarks.serve import make_prompts, run_load, serving_metrics
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     prompts = make_prompts(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                           _vocab_size(args.tokenizer or args.model), random.Random(args.seed))
+                           _vocab_size(args.tokenizer or args.model, args.trust_remote_code), random.Random(args.seed))
     recs, duration, model = asyncio.run(run_load(base, args.endpoint, args.model, prompts, args.request_rate,
                                                  args.max_concurrency or 0, args.seed, args.timeout,
                                                  ignore_eos=args.ignore_eos))
