@@ -59,22 +59,28 @@ class KimiK2ReasoningStream:
     def __init__(self, thinking: bool) -> None:
         self.thinking = thinking
         self.text = ""
-        self.reasoning_sent = self.content_sent = 0
+        self.reasoning_sent = 0
+        # Once any content came, the thinking is over (or never began): every later delta is content as it is.
+        self.in_content = False
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(new reasoning, new content) after this delta."""
+        if self.in_content:
+            return "", delta
         self.text += delta
         return self._emit(final=False)
 
     def finish(self) -> tuple[str, str]:
         """What was held back, at the end of the answer."""
-        return self._emit(final=True)
+        return ("", "") if self.in_content else self._emit(final=True)
 
     def _emit(self, final: bool) -> tuple[str, str]:
         split = split_reasoning(self.text, self.thinking, final)
         if split is None:
             return "", ""
         reasoning, content = split
-        new = reasoning[self.reasoning_sent:], content[self.content_sent:]
-        self.reasoning_sent, self.content_sent = max(self.reasoning_sent, len(reasoning)), len(content)
+        new = reasoning[self.reasoning_sent:], content
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
+        if content:
+            self.in_content, self.text = True, ""
         return new

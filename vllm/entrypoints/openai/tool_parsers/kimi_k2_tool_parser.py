@@ -145,4 +145,9 @@ class KimiK2ToolStream:
                     deltas[-1].arguments += piece
                 else:
                     deltas.append(ToolCallDelta(i, piece))
+        # Content before the tool-call section can never change once sent: drop it, so that each delta re-reads
+        # only the held-back tail and the section, not the whole answer.
+        begin = _find_first(self.text, SECTION_BEGIN)
+        cut = min(self.content_sent, begin[0]) if begin else self.content_sent
+        self.text, self.content_sent = self.text[cut:], self.content_sent - cut
         return new_content, deltas
