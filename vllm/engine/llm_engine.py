@@ -56,6 +56,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
+        self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -117,6 +118,8 @@ class LLMEngine:
         self.output_processor.add(request_id, text, children, params)
         for c in children:
             self.scheduler.add_request(c)
+        if any(len(seq) > 1 for seq in params.bad_words_token_ids):
+            self.history_bans += children
         return len(ids)
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
@@ -193,9 +196,12 @@ class LLMEngine:
         return outputs
 
     def _needs_history(self) -> bool:
-        """A running request bans tokens by what its output ends with (a bad word of several tokens), so its
-        next step needs the step in flight's token on the host first."""
-        return any(len(seq) > 1 for r in self.scheduler.running for seq in r.sampling_params.bad_words_token_ids)
+        """A request bans tokens by what its output ends with (a bad word of several tokens), so its next step
+        needs the step in flight's token on the host first. Only those requests are looked at, not every
+        running one at every step."""
+        if self.history_bans:
+            self.history_bans = [r for r in self.history_bans if not r.status.finished]
+        return bool(self.history_bans)
 
     def _drain(self) -> list[RequestOutput]:
         """Waits for the step in flight, if any, and processes its outputs."""
