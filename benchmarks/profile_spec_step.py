@@ -3,8 +3,9 @@ by kernel (torch.profiler), for one request generating greedily.
 
     python benchmarks/profile_spec_step.py --spec '{"method": "dspark", "num_speculative_tokens": 3}'
 
-Prints the wall time per generated token (median of `--repeats`, unprofiled), then the top functions by own and
-by cumulative host time, then the top CUDA kernels by device time and the number of kernel launches per step.
+Prints the wall time per generated token (median of `--repeats`, unprofiled), the host time per step in each phase
+of the engine loop (timers around its functions, one timed run), then the top functions by own and by cumulative
+host time, then the top CUDA kernels by device time and the number of kernel launches per step.
 A dspark config without "model" gets the shipped draft.
 """
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
 import io
 import json
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 from bench_common import sync
@@ -24,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
 from vllm.tools.prepare_corpus import heldout_code_windows
+from vllm.worker.model_runner import AsyncModelRunnerOutput
 
 
 def count_step_paths(runner) -> collections.Counter:
@@ -43,6 +47,56 @@ def count_step_paths(runner) -> collections.Counter:
     if runner.piecewise is not None:
         runner.piecewise.run = counted(lambda T, meta: "piecewise", runner.piecewise.run)
     return paths
+
+
+# (owner path from the engine, method): the engine loop's phases, timed per step; nested phases are inside their
+# parents' times (execute_model holds prepare, replay, verify and draft; process_step holds the rest).
+PHASES = [("scheduler", "schedule"), ("", "_sampling_metadata"), ("runner", "execute_model"),
+          ("runner.input_batch", "prepare"), ("runner", "_graph_for"), ("runner.graphs", "replay"),
+          ("runner", "_verify"), ("runner", "_draft"), ("", "_process_step"), ("scheduler", "update_from_output"),
+          ("output_processor", "process"), ("", "_take_drafts")]
+
+
+def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wraps the engine loop's phases (and the wait for each step's results) with timers; returns the running
+    totals in seconds and a function that restores the originals."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    restore = []
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    for path, method in PHASES:
+        owner = functools.reduce(getattr, path.split("."), engine) if path else engine
+        if owner is None:
+            continue
+        restore.append((owner, method, owner.__dict__.get(method)))
+        setattr(owner, method, timed(f"{path + '.' if path else ''}{method}", getattr(owner, method)))
+    original_get_output = AsyncModelRunnerOutput.get_output
+
+    def get_output(self):
+        t0 = time.perf_counter()
+        if self.done is not None:
+            self.done.synchronize()
+        totals["wait for the device"] += time.perf_counter() - t0
+        return original_get_output(self)
+
+    AsyncModelRunnerOutput.get_output = get_output
+
+    def undo():
+        AsyncModelRunnerOutput.get_output = original_get_output
+        for owner, method, before in restore:
+            if before is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, before)
+    return totals, undo
 
 
 def main() -> None:
@@ -80,6 +134,18 @@ def main() -> None:
     print("step paths over the timed runs:", dict(paths))
     print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "
           f"({steps} steps for {args.output_len} tokens)")
+    totals, undo = time_phases(llm.llm_engine)
+    sync(args.device)
+    t0 = time.perf_counter()
+    run()
+    sync(args.device)
+    timed_wall = time.perf_counter() - t0
+    undo()
+    print(f"host phases, ms per step (one timed run: {timed_wall / steps * 1e3:.3f} ms per step with timers):")
+    top = ("scheduler.schedule", "_sampling_metadata", "runner.execute_model", "wait for the device", "_process_step")
+    totals["other (the step's wall less the phases above it)"] = timed_wall - sum(totals[n] for n in top)
+    for name, total in totals.items():
+        print(f"  {name:50s} {total / steps * 1e3:8.3f}")
     prof = cProfile.Profile()
     prof.enable()
     run()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata, num_accepted, target_probs
+from vllm.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata, greedy_verify,
+                                           num_accepted, target_probs)
 from vllm.sample.sampler import Sampler, SamplingMetadata
 from vllm.sampling_params import SamplingParams
 
@@ -206,3 +207,32 @@ def test_width_follows_max_spec_len():
     assert out[0].tolist() == [logits[0].argmax().item(), logits[1].argmax().item(), -1, -1, -1]
     assert out[1].tolist() == [logits[2].argmax().item(), -1, -1, -1, -1]
     assert RejectionSampler.num_accepted(out).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_verify_equals_the_rejection_sampler(seed):
+    """The graph-side greedy verification over a step's token layout (current token, then drafts, per row)
+    gives the rejection sampler's greedy rows, for ragged rows with placeholders and near-misses, and leaves
+    padding rows (no tokens) and padded tokens out of the real rows."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 4
+    counts = torch.randint(0, K + 1, (6,), generator=gen).tolist()
+    T = sum(counts) + len(counts)
+    logits = torch.randn(T + 3, V, generator=gen)  # 3 padded tokens past the step's
+    argmax = logits.argmax(-1)
+    step_tokens = torch.randint(0, V, (T + 3,), generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(counts).add(1).cumsum(0).tolist() + [T, T], dtype=torch.int32)
+    drafts = []
+    for r, c in enumerate(counts):  # most drafts right, some wrong, a few placeholders
+        s0 = int(qsl[r])
+        row = [int(argmax[s0 + j]) if torch.rand((), generator=gen) < 0.7 else int(step_tokens[s0 + 1 + j])
+               for j in range(c)]
+        row = [PLACEHOLDER_TOKEN_ID if torch.rand((), generator=gen) < 0.1 else t for t in row]
+        step_tokens[s0 + 1:s0 + 1 + c] = torch.tensor(row, dtype=torch.int64)
+        drafts.append(row)
+    want = rs(logits[:T], None, SpecDecodeMetadata.from_drafts(drafts, "cpu"),
+              sampling_for([SamplingParams(temperature=0.0)] * len(counts)), max_spec_len=K)
+    got = greedy_verify(argmax, step_tokens, qsl, K)
+    assert got.shape == (len(counts) + 2, K + 1)
+    assert torch.equal(got[:len(counts)], want)
+    assert bool((got[len(counts):, 1:] == PLACEHOLDER_TOKEN_ID).all())

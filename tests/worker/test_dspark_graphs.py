@@ -43,14 +43,25 @@ def test_draft_graphs_replay_and_equal_eager(graph_backends, model_dir, tmp_path
     assert drafter.graph_keys == {DraftGraphKey(4, 64), DraftGraphKey(4, 128)}
     replayed = []
     replay = drafter.graphs.replay
+    runner = llm.llm_engine.runner
+    step = {"graph": False}
 
     def spy(key):
         replayed.append(key)
+        step["graph"] |= not isinstance(key, DraftGraphKey)
         return replay(key)
 
-    drafter.graphs.replay = spy
+    drafter.graphs.replay = spy  # the runner's graphs too: target and draft share one CUDAGraphRunner
+    execute, verify = runner.execute_model, runner._verify
+    runner.execute_model = lambda *a, **kw: step.update(graph=False) or execute(*a, **kw)
+    eager_verifies = []  # per eager rejection: whether its step replayed a target graph
+    runner._verify = lambda *a, **kw: eager_verifies.append(step["graph"]) or verify(*a, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert got == want
+    # Greedy rows are verified and anchored inside the verify graphs (the decode tail): only steps that run
+    # eagerly (a prompt chunk beside a verify row) reach the eager rejection sampler.
+    assert not any(eager_verifies)
+    assert any(not isinstance(k, DraftGraphKey) and k.max_query_len for k in replayed)
     drafted = [k for k in replayed if isinstance(k, DraftGraphKey)]
     assert {k.max_context for k in drafted} == {64, 128}, "drafts replayed on both sides of the bucket edge"
     assert llm.llm_engine.spec_decode_stats.num_draft_tokens > 0

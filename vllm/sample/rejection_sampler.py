@@ -72,6 +72,28 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.T
     return logits.softmax(-1)
 
 
+def greedy_verify(target_argmax: torch.Tensor, draft_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                  max_spec_len: int) -> torch.Tensor:
+    """Greedy verification of a step whose every token is a logits row (a decode or verify step): row r's tokens
+    are query_start_loc[r]:query_start_loc[r+1], its current token then its drafts. Returns [R, max_spec_len + 1]
+    as RejectionSampler does for greedy rows: accepted drafts, then the target's argmax at the first rejection
+    (or the bonus row), padded with -1. A row of no tokens (graph padding) gives garbage in its first column.
+
+    Every shape follows the inputs' (no host value, no data-dependent size), so it runs inside a CUDA graph:
+    target_argmax [T] and draft_ids [T] (placeholders -1, never accepted) may be padded past the step's tokens."""
+    K, last = max_spec_len, target_argmax.shape[0] - 1
+    start = query_start_loc[:-1].long()
+    num_drafts = query_start_loc[1:].long() - start - 1  # [R]; -1 for a padding row
+    cols = torch.arange(K + 1, device=target_argmax.device)
+    target = target_argmax[(start[:, None] + cols).clamp(max=last)]  # [R, K + 1]: argmax at each row position
+    drafts = draft_ids[(start[:, None] + 1 + cols[:K]).clamp(max=last)]  # [R, K]: draft j is row token j + 1
+    match = (drafts == target[:, :K]) & (cols[:K] < num_drafts[:, None])
+    accepted = match.to(torch.int64).cumprod(1).sum(1, keepdim=True)  # [R, 1]
+    out = torch.where(cols[:K] < accepted, drafts, PLACEHOLDER_TOKEN_ID)
+    out = torch.cat([out, out.new_full((out.shape[0], 1), PLACEHOLDER_TOKEN_ID)], dim=1)
+    return out.scatter_(1, accepted, target.gather(1, accepted))
+
+
 class RejectionSampler:
     """Never writes into the caller's tensors. Returns [B, max_spec_len + 1] int64, padded with -1."""
 

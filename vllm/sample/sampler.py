@@ -42,6 +42,13 @@ class SamplingMetadata:
     logit_bias: list[dict[int, float] | None] | None = None
     allowed_token_ids: list[list[int] | None] | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is its logits' argmax, and nothing else is asked of the logits (no penalty, ban,
+        bias or logprobs): what Sampler would return is the argmax itself."""
+        return (self.all_greedy and self.no_penalties and self.max_num_logprobs is None and self.logit_bias is None
+                and self.allowed_token_ids is None and not any(self.banned_token_ids))
+
     @classmethod
     def from_requests(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
                       banned_token_ids: list[list[int]], device: torch.device | str,

@@ -31,6 +31,7 @@ from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCu
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
+from vllm.worker.decode_tail import DecodeTail, decode_tail
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
                                    capture_descriptors, capture_sizes, resolve_mode)
 from vllm.worker.input_batch import InFlightTokens, InputBatch
@@ -131,6 +132,10 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         # Decays of long prompts underflow into denormals, which are ~100x slower on CPUs; flush them to zero.
         torch.set_flush_denormal(True)
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # At the 4-16 rows of verify steps and small decode batches cuBLAS's heuristic picks fp32 kernels
+            # 10-20x slower than cuBLASLt's (benchmarks/kernels/bench_small_gemm.py). The choice is per process.
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         hf, cc = mc.hf_config, config.cache_config
         shapes = LayerShapes(kda_num_heads=hf.kda_num_heads, kda_head_dim=hf.kda_head_dim,
                              kda_gate_bounded=hf.gate_lower_bound is not None,
@@ -299,9 +304,11 @@ class ModelRunner:
         self.input_batch.fill_for_capture(n, T, max_q)
         common = self.input_batch.graph_metadata(n, T, max_q, sc.max_model_len)
         # Metadata is built inside the capture: its device-side work then reruns on every replay against the
-        # refilled buffers, and its host-side choices are fixed by the descriptor.
+        # refilled buffers, and its host-side choices are fixed by the descriptor. A decode/verify graph (bounded
+        # rows: no prompt chunk) also computes the decode tail; a mixed graph's tokens are mostly not logits rows.
+        fn = self._forward if desc.max_query_len is None else self._forward_with_tail
         try:
-            graphs.capture(desc, functools.partial(self._forward, T, common))
+            graphs.capture(desc, functools.partial(fn, T, common))
         except Exception as e:  # a kernel that syncs with the host, or glue refusing the capture's dummies
             raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({type(e).__name__}: {e}); backends: "
                                f"{self.backend_names}; run with --enforce-eager or "
@@ -448,6 +455,13 @@ class ModelRunner:
             self.drafter.write_context(num_tokens, batch.positions.gpu, common.slot_mapping)
         return hidden
 
+    def _forward_with_tail(self, num_tokens: int, common: CommonAttentionMetadata) -> DecodeTail:
+        """_forward, then the decode tail over every token (a decode or verify step's: each token a logits row)."""
+        hidden = self._forward(num_tokens, common)
+        batch = self.input_batch
+        return decode_tail(hidden, self.model.compute_logits(hidden), batch.draft_ids.gpu, batch.positions.gpu,
+                           common.query_start_loc, self.num_spec, with_anchors=self.drafter is not None)
+
     def _graph_for(self, common: CommonAttentionMetadata) -> BatchDescriptor | None:
         """The captured graph this step replays in, or None to run eagerly."""
         if self.graphs is None:
@@ -514,6 +528,7 @@ class ModelRunner:
             common = self.input_batch.trim_on_device(common, trimmed, device_lens)
         T = common.num_actual_tokens
         desc = self._graph_for(common)
+        tail = None
         if desc is None and self.piecewise is not None and T <= self.piecewise.max_size:
             hidden = self.piecewise.run(T, self._attn_metadata(common))
             if self.drafter is not None:
@@ -522,32 +537,48 @@ class ModelRunner:
             hidden = self._forward(T, common)
         else:
             self.input_batch.pad_for_graph(common.num_reqs, T, desc.num_reqs, desc.num_tokens)
-            hidden = self.graphs.replay(desc)[:T]
+            # The graph's outputs are its own buffers, overwritten by its next replay: everything that reads
+            # them (this step's host copies and drafts, the next step's in-flight tokens) is queued before that.
+            replayed = self.graphs.replay(desc)
+            tail = replayed if isinstance(replayed, DecodeTail) else None
+            hidden = (replayed.hidden if tail is not None else replayed)[:T]
         result = AsyncModelRunnerOutput()
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
         verified = None
-        if trimmed is not None:  # the device re-cut an all-verify step: every token is a logits row
-            verified = self._verify(out, hidden, verify_rows, torch.arange(T, device=self.device),
-                                    common.query_start_loc, [n - 1 for n in trimmed], spec_sampling, result)
+        greedy_verify = tail is not None and tail.verified is not None and bool(verify_rows) \
+            and spec_sampling.all_greedy
+        if greedy_verify:  # the graph verified every row greedily
+            verified = tail.verified[:common.num_reqs]
+            if len(verify_rows) < common.num_reqs:
+                verified = verified[async_tensor_h2d(verify_rows, torch.int64, self.device)]
+            self._queue_verified(out, verify_rows, verified, result)
+        elif trimmed is not None:  # the device re-cut an all-verify step: every token is a logits row
+            verified = self._verify(out, self._logits(hidden, tail, None), verify_rows,
+                                    torch.arange(T, device=self.device), common.query_start_loc,
+                                    [n - 1 for n in trimmed], spec_sampling, result)
         elif verify_rows:
             drafts = [len(out.scheduled[r].draft_token_ids) for r in verify_rows]
             token_idx = np.concatenate([np.arange(ends[r] - d - 1, ends[r]) for r, d in zip(verify_rows, drafts)])
             cu = np.zeros(len(drafts) + 1, dtype=np.int32)
             np.cumsum(np.add(drafts, 1), out=cu[1:])
-            verified = self._verify(out, hidden, verify_rows, async_tensor_h2d(token_idx, torch.int64, self.device),
+            token_idx = async_tensor_h2d(token_idx, torch.int64, self.device)
+            verified = self._verify(out, self._logits(hidden, tail, token_idx), verify_rows, token_idx,
                                     async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
+        greedy_sample = bool(sample_rows) and tail is not None and sampling.argmax_only
         if sample_rows:
-            if len(sample_rows) == T:  # every row is one token that samples (a decode step): no gather
-                rows = hidden
+            # every row is one token that samples (a decode step): no gather
+            idx = None if len(sample_rows) == T else async_tensor_h2d([ends[r] - 1 for r in sample_rows],
+                                                                       torch.int64, self.device)
+            if greedy_sample:  # the graph took the argmax of every token
+                result.sampled_token_ids = tail.argmax[:T] if idx is None else tail.argmax[idx]
             else:
-                rows = hidden[async_tensor_h2d([ends[r] - 1 for r in sample_rows], torch.int64, self.device)]
-            sampled = self.sampler(self.model.compute_logits(rows), sampling)
-            result.sampled_token_ids = sampled.sampled_token_ids
-            result.sampled_host = async_tensor_d2h(sampled.sampled_token_ids)
-            if sampled.logprobs is not None:
-                result.logprobs_host = _HostLogprobs.queue(sampled.logprobs)
+                sampled = self.sampler(self._logits(hidden, tail, idx), sampling)
+                result.sampled_token_ids = sampled.sampled_token_ids
+                if sampled.logprobs is not None:
+                    result.logprobs_host = _HostLogprobs.queue(sampled.logprobs)
+            result.sampled_host = async_tensor_d2h(result.sampled_token_ids)
             for j, r in enumerate(sample_rows):
                 req = out.scheduled[r].request
                 result.sample_rows[req.request_id] = j
@@ -555,21 +586,34 @@ class ModelRunner:
                 result.sample_logprob_ks.append(self.hf_config.vocab_size if k == -1 else k)
         self._prompt_logprobs(out, hidden, ends, result)
         if self.drafter is not None:
-            self._draft(out, common, sample_rows, result.sampled_token_ids, verify_rows, verified, result)
+            greedy_anchors = tail is not None and tail.anchor_ids is not None \
+                and (greedy_sample or not sample_rows) and (greedy_verify or not verify_rows)
+            self._draft(out, common, sample_rows, result.sampled_token_ids, verify_rows, verified,
+                        tail if greedy_anchors else None, result)
         if self.device.type == "cuda":
             result.done = torch.cuda.Event()
             result.done.record()
         return result
 
-    def _verify(self, out: SchedulerOutput, hidden: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
+    def _logits(self, hidden: torch.Tensor, tail: DecodeTail | None, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the step's token `rows` (device indices; None: every token): the graph's, or computed now."""
+        if tail is not None:
+            return tail.logits[:hidden.shape[0]] if rows is None else tail.logits[rows]
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _queue_verified(self, out: SchedulerOutput, rows: list[int], verified: torch.Tensor,
+                        result: AsyncModelRunnerOutput) -> None:
+        result.verify_rows = [out.scheduled[r].request.request_id for r in rows]
+        result.verified_host = async_tensor_d2h(verified)
+
+    def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
                 cu_num_logits: torch.Tensor, num_draft_tokens: list[int], sampling: SamplingMetadata,
                 result: AsyncModelRunnerOutput) -> torch.Tensor:
         """Rejection-sample the verify `rows`; returns their tokens [rows, 1 + K] (accepted, then placeholders).
         token_idx (device) lists each row's tokens in the step (its current token, then its drafts), each one a
-        logits row; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's device
-        draft ids (placeholders still -1), so nothing is uploaded again; the host draft counts have the device
-        total and only size the output."""
-        logits = self.model.compute_logits(hidden[token_idx])
+        row of `logits`; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's
+        device draft ids (placeholders still -1), so nothing is uploaded again; the host draft counts have the
+        device total and only size the output."""
         # index_fill_, not `first[idx] = True`: that assignment copies its scalar from pageable host memory,
         # which makes the host wait for the whole forward before it queues the rest of the step.
         first = torch.zeros(token_idx.shape[0], dtype=torch.bool, device=self.device)
@@ -578,19 +622,26 @@ class ModelRunner:
         drafts = self.input_batch.draft_ids.gpu[token_idx[draft_rows]]
         meta = SpecDecodeMetadata(drafts, num_draft_tokens, cu_num_logits)
         tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec)
-        result.verify_rows = [out.scheduled[r].request.request_id for r in rows]
-        result.verified_host = async_tensor_d2h(tokens)
+        self._queue_verified(out, rows, tokens, result)
         return tokens
 
     def _draft(self, out: SchedulerOutput, common: CommonAttentionMetadata, sample_rows: list[int],
                sampled: torch.Tensor | None, verify_rows: list[int], verified: torch.Tensor | None,
-               result: AsyncModelRunnerOutput) -> None:
+               greedy_tail: DecodeTail | None, result: AsyncModelRunnerOutput) -> None:
         """DSpark drafts for the requests that sampled this step and may speculate, anchored at their newest
         token: a sampling row's token lands at num_computed + num_tokens; a verify row that emitted m tokens
-        puts its last at num_computed + m. Everything stays on the device."""
+        puts its last at num_computed + m. Everything stays on the device. `greedy_tail`: the step's graph
+        outputs when every row's tokens are its greedy ones, whose anchors then serve a step where every row
+        drafts."""
         picked = [(j, r) for j, r in enumerate(sample_rows) if out.scheduled[r].request.speculate]
         rows = [r for _, r in picked] + verify_rows
         if not rows:
+            return
+        max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
+        n = common.num_reqs
+        if greedy_tail is not None and len(rows) == n:
+            self._propose(out, range(n), greedy_tail.anchor_ids[:n], greedy_tail.anchor_pos[:n],
+                          common.block_table[:n], max_context, result)
             return
         # One upload: the picked rows' indices among the sampled tokens, each row's anchor position (a verify
         # row's before its emitted count, which only the device knows), each row's step row (its block table).
@@ -605,9 +656,12 @@ class ModelRunner:
             emitted = (verified != PLACEHOLDER_TOKEN_ID).sum(1)
             anchors.append(verified.gather(1, (emitted - 1)[:, None]).squeeze(1))
             positions[p:] += emitted
-        max_context = max(out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens for r in rows)
-        drafts, confidence = self.drafter.propose(torch.cat(anchors) if len(anchors) > 1 else anchors[0], positions,
-                                                  common.block_table[step_rows], max_context,
+        self._propose(out, rows, torch.cat(anchors) if len(anchors) > 1 else anchors[0], positions,
+                      common.block_table[step_rows], max_context, result)
+
+    def _propose(self, out: SchedulerOutput, rows, anchors: torch.Tensor, positions: torch.Tensor,
+                 block_table: torch.Tensor, max_context: int, result: AsyncModelRunnerOutput) -> None:
+        drafts, confidence = self.drafter.propose(anchors, positions, block_table, max_context,
                                                   # only the device-trim hook (adaptive) reads them
                                                   with_confidence=self.device_trim_hook is not None)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
