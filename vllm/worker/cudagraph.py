@@ -44,19 +44,16 @@ class BatchDescriptor:
 
 
 def capture_sizes(config: CompilationConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                  num_speculative_tokens: int, any_total: bool = False) -> list[int]:
+                  num_speculative_tokens: int) -> list[int]:
     """Token counts to capture, ascending.
 
     With K drafts a verify row has 1+K tokens, so sizes are rounded up to multiples of 1+K: a pure verify batch
-    then fills a graph without padding rows. Under adaptive verification (`any_total`) a step is re-cut to any
-    total, so the sizes stay as listed: rounded, a step trimmed to 4 of 8 tokens would replay the 8-token graph
-    and pay for the tokens it dropped. A decode batch never has more than max_num_seqs * (1+K) tokens nor more
-    than the token budget, so larger graphs would never replay, and the default sizes reach exactly that.
+    then fills a graph without padding rows. A decode batch never has more than max_num_seqs * (1+K) tokens nor
+    more than the token budget, so larger graphs would never replay, and the default sizes reach exactly that.
     """
     sizes = config.cudagraph_capture_sizes
-    step = 1 if any_total else 1 + num_speculative_tokens
-    row_tokens = 1 + num_speculative_tokens
-    cap = min(max_num_batched_tokens, max_num_seqs * row_tokens)
+    step = 1 + num_speculative_tokens
+    cap = min(max_num_batched_tokens, max_num_seqs * step)
     if sizes is None:
         limit = config.max_cudagraph_capture_size or cap  # default: every full decode batch has a graph
         # Finer steps where padding costs most (small batches), as upstream: 8 up to 256, then 16, then 32.

@@ -262,9 +262,8 @@ class ModelRunner:
     def _graph_descriptors(self) -> list[BatchDescriptor]:
         """The graphs to capture, largest first (smaller ones then reuse its memory pool)."""
         sc = self.config.scheduler_config
-        spec = self.config.speculative_config
         sizes = capture_sizes(self.config.compilation_config, sc.max_num_seqs, sc.max_num_batched_tokens,
-                              self.num_spec, any_total=spec is not None and spec.enable_adaptive_verification)
+                              self.num_spec)
         descs = capture_descriptors(sizes, sc.max_num_seqs, self.num_spec, self.cudagraph_mode)
         return sorted(descs, key=lambda d: (-d.num_tokens, -d.num_reqs))
 
