@@ -547,9 +547,9 @@ class ModelRunner:
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
         verified = None
-        greedy_verify = tail is not None and tail.verified is not None and bool(verify_rows) \
+        verified_in_graph = tail is not None and tail.verified is not None and bool(verify_rows) \
             and spec_sampling.all_greedy
-        if greedy_verify:  # the graph verified every row greedily
+        if verified_in_graph:  # the graph verified every row greedily
             verified = tail.verified[:common.num_reqs]
             if len(verify_rows) < common.num_reqs:
                 verified = verified[async_tensor_h2d(verify_rows, torch.int64, self.device)]
@@ -566,12 +566,12 @@ class ModelRunner:
             token_idx = async_tensor_h2d(token_idx, torch.int64, self.device)
             verified = self._verify(out, self._logits(hidden, tail, token_idx), verify_rows, token_idx,
                                     async_tensor_h2d(cu, torch.int32, self.device), drafts, spec_sampling, result)
-        greedy_sample = bool(sample_rows) and tail is not None and sampling.argmax_only
+        sampled_in_graph = bool(sample_rows) and tail is not None and sampling.argmax_only
         if sample_rows:
-            # every row is one token that samples (a decode step): no gather
+            # None when every token is a row that samples (a decode step): no gather
             idx = None if len(sample_rows) == T else async_tensor_h2d([ends[r] - 1 for r in sample_rows],
                                                                        torch.int64, self.device)
-            if greedy_sample:  # the graph took the argmax of every token
+            if sampled_in_graph:  # the graph took the argmax of every token
                 result.sampled_token_ids = tail.argmax[:T] if idx is None else tail.argmax[idx]
             else:
                 sampled = self.sampler(self._logits(hidden, tail, idx), sampling)
@@ -587,7 +587,7 @@ class ModelRunner:
         self._prompt_logprobs(out, hidden, ends, result)
         if self.drafter is not None:
             greedy_anchors = tail is not None and tail.anchor_ids is not None \
-                and (greedy_sample or not sample_rows) and (greedy_verify or not verify_rows)
+                and (sampled_in_graph or not sample_rows) and (verified_in_graph or not verify_rows)
             self._draft(out, common, sample_rows, result.sampled_token_ids, verify_rows, verified,
                         tail if greedy_anchors else None, result)
         if self.device.type == "cuda":
