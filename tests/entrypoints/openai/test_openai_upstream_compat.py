@@ -119,6 +119,32 @@ def test_beam_search_completions_equal_offline_beam_search(http, offline_llm, st
     assert too_wide.status_code == 400 and "beam width" in too_wide.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_beam_search_chat_equals_offline_beam_search(http, offline_llm, stream):
+    """use_beam_search on chat: the n beams of LLM.beam_search over the rendered conversation, best first, as
+    the choices' messages."""
+    from vllm import BeamSearchParams
+    body = {"messages": MESSAGES, "max_tokens": 4, "n": 2, "use_beam_search": True, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        prompt_ids = chunks[0]["prompt_token_ids"]
+        choices = [c for chunk in chunks for c in chunk["choices"] if c.get("token_ids")]
+    else:
+        prompt_ids, choices = r.json()["prompt_token_ids"], r.json()["choices"]
+    want = offline_llm.beam_search([{"prompt_token_ids": prompt_ids}],
+                                   BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0]
+    choices = sorted(choices, key=lambda c: c["index"])
+    assert [c["token_ids"] for c in choices] == [b.tokens[len(prompt_ids):] for b in want.sequences]
+    tok = offline_llm.get_tokenizer()
+    texts = [c["delta"]["content"] if stream else c["message"]["content"] for c in choices]
+    assert texts == [tok.decode(b.tokens[len(prompt_ids):], skip_special_tokens=True) for b in want.sequences]
+    too_wide = http.post("/v1/chat/completions", json={**body, "n": 11, "stream": False})
+    assert too_wide.status_code == 400 and "beam width" in too_wide.json()["error"]["message"]
+
+
 def test_tokens_as_token_ids_by_flag_and_by_field(http):
     on = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
                                             "return_token_ids": True}).json()["choices"][0]
@@ -180,7 +206,8 @@ def test_chat_continue_final_message_and_echo(http, offline_llm):
 
 @pytest.mark.parametrize("body, fragment", [
     ({"response_format": {"type": "json_object"}}, "needs structured outputs"),
-    ({"use_beam_search": True}, "use_beam_search is supported on /v1/completions only"),
+    ({"use_beam_search": True, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "use_beam_search does not combine with tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]},
      '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
     ({"guided_json": {"type": "object"}}, "guided decoding is not supported"),

@@ -4,7 +4,7 @@ Known fields parse as upstream's pydantic models do: in pydantic's lax mode, whe
 (upstream's own tests send `"logprobs": "true"`). A value that is not one is a 400 that names the field. Unknown
 fields are accepted and ignored with a logged warning, as upstream does: clients built for other servers send
 extras (`user`, `metadata`, ...). Fields we know but cannot honour (`functions`, guided decoding, JSON response
-formats, beam search on chat) are refused with a 400 saying so, rather than ignored into a different answer.
+formats, beam search with tools) are refused with a 400 saying so, rather than ignored into a different answer.
 """
 from __future__ import annotations
 
@@ -128,6 +128,7 @@ class SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the last N prompt tokens
     response_format: ResponseFormat | None = None
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's: scores are cumulative logprob / length ** length_penalty
 
     @field_validator("stop")
     @classmethod
@@ -141,6 +142,13 @@ class SamplingRequest(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """use_beam_search: n beams (upstream's reading of n), greedy unless a temperature is given."""
+        if not 1 <= self.n <= 10:
+            raise ValueError(f"n must be in [1, 10] with use_beam_search (it is the beam width), got {self.n}")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens or 16, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict | None = None) -> SamplingParams:
@@ -173,14 +181,6 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    length_penalty: float = 1.0  # beam search's: scores are cumulative logprob / length ** length_penalty
-
-    def beam_search_params(self) -> BeamSearchParams:
-        """use_beam_search: n beams (upstream's reading of n), greedy unless a temperature is given."""
-        if not 1 <= self.n <= 10:
-            raise ValueError(f"n must be in [1, 10] with use_beam_search (it is the beam width), got {self.n}")
-        return BeamSearchParams(beam_width=self.n, max_tokens=self.max_tokens or 16, ignore_eos=self.ignore_eos,
-                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty)
 
     @field_validator("prompt")
     @classmethod
@@ -258,8 +258,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.use_beam_search:
-            raise ValueError("use_beam_search is supported on /v1/completions only")
+        if self.use_beam_search and self.tools and self.tool_choice != "none":
+            raise ValueError("use_beam_search does not combine with tools: the beams are answered as text")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message continues the last message, so add_generation_prompt must "
                              "be false")

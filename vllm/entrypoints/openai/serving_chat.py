@@ -58,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                          defaults=self.default_sampling)
+            beam = req.beam_search_params(max_tokens) if req.use_beam_search else None
         except ValueError as e:
             raise self.error(e) from None
         parse_tools = mode != "none" and tools.tool_parser is not None
@@ -69,7 +70,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.log_request(request_id, ids, params)
         base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        outputs = self.generate([{"prompt_token_ids": ids}], params, request_id)
+        prompts = [{"prompt_token_ids": ids}]
+        # Beam search answers once, with every beam (best first) as a choice; streamed, as one delta each.
+        outputs = self.beam_search(prompts, beam, request_id) if beam is not None else \
+            self.generate(prompts, params, request_id)
         if req.stream:  # bad input raises before the response starts
             return SSEResponse(self.stream(req, await started(outputs), base, parsers), self.stall_limit)
         return await until_disconnect(raw, self.full(req, outputs, base, parsers))

@@ -21,7 +21,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         try:
             params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs, self.default_sampling)
-            beam = req.beam_search_params() if req.use_beam_search else None
+            beam = req.beam_search_params(req.max_tokens) if req.use_beam_search else None
         except ValueError as e:
             raise self.error(e) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
