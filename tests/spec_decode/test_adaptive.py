@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.spec_decode.adaptive import CostCurve, VerifyCosts, choose_budget, device_split, even_split
+from vllm.spec_decode.adaptive import (CostCurve, DraftConfidences, VerifyCosts, choose_budget, device_split,
+                                       even_split)
 
 
 def _flat_draft():
@@ -83,3 +84,17 @@ def test_the_even_split_differs_from_the_survival_split_row_by_row():
     assert device_split(conf, torch.tensor([3, 3]), 4).tolist() == [3, 1]
     with pytest.raises(ValueError, match="exceeds the 6 scheduled drafts"):
         even_split(7, [3, 3])
+
+
+def test_draft_confidences_rows_follow_the_request_ids():
+    """Each request reads the confidences its drafts came with, whether the step keeps the drafting order (the
+    table as it stands), reorders or drops requests, or adds one with none yet (1.0)."""
+    conf = DraftConfidences(3, torch.device("cpu"))
+    ids, _ = conf.rows(["a"])
+    assert torch.equal(ids, torch.ones(1, 3))
+    table = torch.rand(3, 3, generator=torch.Generator().manual_seed(0))
+    conf.update(["a", "b", "c"], table, table.clone())
+    for order in (["a", "b", "c"], ["c", "a"], ["b", "new", "a"]):
+        device, host = conf.rows(order)
+        want = torch.stack([table[ord(r) - ord("a")] if r != "new" else torch.ones(3) for r in order])
+        assert torch.equal(device, want) and np.array_equal(host, want.numpy())
