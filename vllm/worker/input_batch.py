@@ -32,6 +32,12 @@ class CpuGpuBuffer:
         self.np = self.cpu.numpy()
         self.gpu = torch.zeros(shape, dtype=dtype, device=device)
 
+    def row(self, i: int) -> CpuGpuBuffer:
+        """Row i of a 2-D buffer as a buffer of its own, sharing the storage (host, device and numpy views)."""
+        view = object.__new__(CpuGpuBuffer)
+        view.cpu, view.np, view.gpu = self.cpu[i], self.np[i], self.gpu[i]
+        return view
+
     def copy_to_device(self, n: int) -> torch.Tensor:
         self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
         return self.gpu[:n]
@@ -42,12 +48,14 @@ class InputBatch:
                  device: torch.device, slots_per_request: int = 1) -> None:
         self.block_size = block_size
         self.spec = slots_per_request > 1
-        self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
-        # The step's tokens as scheduled, placeholder drafts still -1: the rejection sampler's draft ids when
-        # the device re-cuts rows (trim_on_device).
-        self.draft_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
-        self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
-        self.slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        # The per-token buffers are the rows of one, so that trim_on_device re-cuts them in one gather.
+        self.token_rows = CpuGpuBuffer((4, max_num_tokens), torch.int64, device)
+        self.input_ids = self.token_rows.row(0)
+        # The step's tokens as scheduled, placeholder drafts still -1: the rejection sampler's draft ids (the
+        # greedy verification of the decode tail reads them too).
+        self.draft_ids = self.token_rows.row(1)
+        self.positions = self.token_rows.row(2)
+        self.slot_mapping = self.token_rows.row(3)
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.state_indices = CpuGpuBuffer((max_num_reqs, slots_per_request), torch.int32, device)
@@ -291,8 +299,8 @@ class InputBatch:
         tok = torch.arange(T, device=qsl.device)
         row = torch.searchsorted(qsl[1:], tok, right=True)
         src = full_qsl[row] + tok - qsl[row]
-        for buf in (self.input_ids, self.draft_ids, self.positions, self.slot_mapping):
-            buf.gpu[:T] = buf.gpu[src]
+        tokens = self.token_rows.gpu
+        tokens[:, :T] = tokens[:, src]
         full_lens = full_qsl[1:] - full_qsl[:-1]
         self.seq_lens.gpu[:n] -= (full_lens - device_lens.long()).to(torch.int32)
         self.query_start_loc.gpu[:n + 1] = qsl.to(torch.int32)
