@@ -5,12 +5,13 @@ held-out code completion (exact match against the real continuation, and identic
     python benchmarks/bench_spec_pareto.py --out benchmarks/results/gpu/spec_pareto.json [--plot FILE.png]
     python benchmarks/bench_spec_pareto.py --plot-from spec_pareto.json --plot spec_pareto.png
 
-Workload: `--concurrency` held-out standard-library code windows (the model and its draft never trained on them)
-as token prompts of `--prompt-len`, greedy, `--output-len` tokens each, all submitted at once to one engine
-(closed batch). Per (config, concurrency), over `--repeats` runs after a warm-up: per-user tok/s is
-1000 / median TPOT in ms, TPOT = (last token time - first token time) / (tokens - 1) of each request, medianed
-over every request of every run; aggregate tok/s is output tokens / wall time of the generate call, medianed over
-runs. Configs run one engine at a time (each frees its device memory before the next starts).
+Workload: held-out standard-library code windows (the model and its draft never trained on them) as token
+prompts of `--prompt-len`, greedy, `--output-len` tokens each. At concurrency c, max(c, `--min-requests`)
+windows run as closed batches of c submitted at once to one engine, one batch after another, so that small
+concurrencies are not one window's luck. Per (config, concurrency), over `--repeats` runs after a warm-up:
+per-user tok/s is 1000 / median TPOT in ms, TPOT = (last token time - first token time) / (tokens - 1) of each
+request, medianed over every request of every run; aggregate tok/s is output tokens / wall time of the batches,
+medianed over runs. Configs run one engine at a time (each frees its device memory before the next starts).
 
 Exact match: of the prompts, the fraction whose first `--answer-len` generated tokens equal the file's next
 tokens; a lossless speculator gives the same fraction because it gives the same tokens, which is checked directly.
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--answer-len", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-requests", type=int, default=8, help="windows per concurrency at least (batches of c)")
+    ap.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the largest concurrency: fewer graphs to capture")
@@ -76,20 +79,28 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rows, plain, completions = [], {}, {}
     windows, report = None, {}
+    async_scheduling = {"default": None, "on": True, "off": False}[args.async_scheduling]
+    num_windows = max(max(concurrencies), args.min_requests)
     for name in args.configs.split(","):
+        spec = spec_config(name, args.draft)
         llm = LLM(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
                   max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                  speculative_config=spec_config(name, args.draft))
+                  speculative_config=spec,
+                  async_scheduling=None if spec is not None and spec["method"] == "ngram" else async_scheduling)
         if windows is None:
-            windows = heldout_code_windows(llm.get_tokenizer(), [args.prompt_len + args.answer_len]
-                                           * max(concurrencies))
+            windows = heldout_code_windows(llm.get_tokenizer(), [args.prompt_len + args.answer_len] * num_windows)
         for c in concurrencies:
-            prompts = [{"prompt_token_ids": w[:args.prompt_len]} for w in windows[:c]]
-            timed_generate(llm, prompts, params, args.device)  # warm-up
+            n = max(c, args.min_requests)
+            batches = [[{"prompt_token_ids": w[:args.prompt_len]} for w in windows[i:i + c]] for i in range(0, n, c)]
+            timed_generate(llm, batches[0], params, args.device)  # warm-up
             walls, per_token, outs = [], [], None
             for _ in range(args.repeats):
-                dt, outs = timed_generate(llm, prompts, params, args.device)
-                walls.append(dt)
+                wall, outs = 0.0, []
+                for batch in batches:
+                    dt, got = timed_generate(llm, batch, params, args.device)
+                    wall += dt
+                    outs += got
+                walls.append(wall)
                 per_token += tpots(outs)
             ids = [o.outputs[0].token_ids for o in outs]
             if name == "none":
@@ -97,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             drafts = sum(o.metrics.spec_num_drafts for o in outs)
             accepted = sum(o.metrics.spec_num_accepted_tokens for o in outs)
             tokens = sum(len(i) for i in ids)
-            row = {"config": name, "concurrency": c, "output_tokens": tokens, "wall_s": stats(walls),
+            row = {"config": name, "concurrency": c, "requests": len(outs), "async_scheduling":
+                   llm.llm_engine.async_scheduling, "output_tokens": tokens, "wall_s": stats(walls),
                    "tpot_ms": stats([1000 * t for t in per_token]),
                    "per_user_tok_s": 1.0 / float(np.median(per_token)),
                    "aggregate_tok_s": tokens / float(np.median(walls)),
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         # After every config, so that a run cut short keeps what it measured.
-        report = results(rows, completions, [w[args.prompt_len:] for w in windows[:max(concurrencies)]],
+        report = results(rows, completions, [w[args.prompt_len:] for w in windows[:num_windows]],
                          args.answer_len, concurrencies)
         write_json(args.out, {"meta": metadata(args.device), "argv": sys.argv, "rows": rows, **report})
     print(report, flush=True)
@@ -124,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def results(rows: list[dict], completions: dict[str, list], answers: list[list[int]], answer_len: int,
             concurrencies: list[int]) -> dict:
-    """Exact match of the first answer tokens and the mean matched prefix per config (at the largest
-    concurrency, every prompt once), and the per-concurrency summary."""
+    """Exact match of the first answer tokens and the mean matched prefix per config (at the last
+    concurrency, every window once), and the per-concurrency summary."""
     return {"exact_match_first_answer_tokens": {name: float(np.mean([out[:answer_len] == ref for out, ref in
                                                                       zip(ids, answers)]))
                                                 for name, ids in completions.items()},

@@ -54,7 +54,7 @@ def count_step_paths(runner) -> collections.Counter:
 PHASES = [("scheduler", "schedule"), ("", "_sampling_metadata"), ("runner", "execute_model"),
           ("runner.input_batch", "prepare"), ("runner", "_graph_for"), ("runner.graphs", "replay"),
           ("runner", "_verify"), ("runner", "_draft"), ("", "_process_step"), ("scheduler", "update_from_output"),
-          ("output_processor", "process"), ("", "_take_drafts")]
+          ("output_processor", "process"), ("", "_take_device_drafts")]
 
 
 def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:

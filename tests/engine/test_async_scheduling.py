@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_DSPARK_DIR
+from vllm.engine.llm_engine import LLMEngine
 from vllm.worker.model_runner import ModelRunner
 
 BASE = dict(max_model_len=256, dtype="float32", max_num_batched_tokens=48)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LENGTHS = [5, 40, 1, 77, 16, 23, 130, 9, 58]
+# DSpark drafts stay on the device, so their steps overlap too: the shipped draft of the built-in model.
+DSPARK = {"method": "dspark", "model": str(DEFAULT_DSPARK_DIR), "num_speculative_tokens": 3}
+WITH_AND_WITHOUT_DSPARK = pytest.mark.parametrize("spec", [None, DSPARK], ids=["plain", "dspark"])
 
 
 def prompts(lengths, seed=0) -> list[dict]:
@@ -30,12 +35,13 @@ def engines(monkeypatch):
     """(sync LLM, async LLM) built alike, and a count of the async engine's steps queued while another step was
     still in flight (without which these tests would compare the synchronous engine with itself)."""
     overlapped = {"steps": 0}
-    real = ModelRunner.execute_model
+    real = LLMEngine._drain
 
-    def execute(self, out, kv, sampling, spec_sampling=None, in_flight=None):
-        overlapped["steps"] += in_flight is not None
-        return real(self, out, kv, sampling, spec_sampling, in_flight)
-    monkeypatch.setattr(ModelRunner, "execute_model", execute)
+    def drain(self):
+        # A step whose results are taken after a later step was launched ran overlapped with that one.
+        overlapped["steps"] += self.in_flight is not None and self.in_flight[1] is not self.last_launched
+        return real(self)
+    monkeypatch.setattr(LLMEngine, "_drain", drain)
     made = []
 
     def make(**kwargs):
@@ -48,18 +54,23 @@ def engines(monkeypatch):
         llm.llm_engine.kv_cache_manager.assert_all_free()
 
 
-def test_greedy_is_identical_with_chunked_prefill_and_mixed_lengths(engines):
+@WITH_AND_WITHOUT_DSPARK
+def test_greedy_is_identical_with_chunked_prefill_and_mixed_lengths(engines, spec):
     make, overlapped = engines
-    sync, overlap = make()
+    sync, overlap = make(speculative_config=spec)
     batch = prompts(LENGTHS)
     want = completions(sync.generate(batch, GREEDY, use_tqdm=False))
     assert completions(overlap.generate(batch, GREEDY, use_tqdm=False)) == want
     assert overlapped["steps"] > 10
+    if spec is not None:
+        stats = overlap.llm_engine.spec_decode_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "some drafts kept, some rejected"
 
 
-def test_requests_arriving_while_a_step_is_in_flight(engines):
+@WITH_AND_WITHOUT_DSPARK
+def test_requests_arriving_while_a_step_is_in_flight(engines, spec):
     make, overlapped = engines
-    sync, overlap = make()
+    sync, overlap = make(speculative_config=spec)
     batch = prompts(LENGTHS, seed=2)
     alone = [completions(sync.generate([p], GREEDY, use_tqdm=False)) for p in batch]
     engine = overlap.llm_engine
@@ -76,9 +87,11 @@ def test_requests_arriving_while_a_step_is_in_flight(engines):
     assert overlapped["steps"] > 10
 
 
-def test_preemption_with_a_token_in_flight(engines):
+@WITH_AND_WITHOUT_DSPARK
+def test_preemption_with_a_token_in_flight(engines, spec):
     make, overlapped = engines
-    sync, overlap = make(num_gpu_blocks_override=6, max_model_len=64, max_num_batched_tokens=32)
+    sync, overlap = make(num_gpu_blocks_override=6, max_model_len=64, max_num_batched_tokens=32,
+                         speculative_config=spec)
     batch = prompts([9, 30, 17, 5, 22, 12])
     want = sync.generate(batch, GREEDY, use_tqdm=False)
     got = overlap.generate(batch, GREEDY, use_tqdm=False)
@@ -87,10 +100,11 @@ def test_preemption_with_a_token_in_flight(engines):
     assert overlapped["steps"] > 0
 
 
-def test_stop_conditions_land_mid_overlap_and_emit_nothing_extra(engines):
+@WITH_AND_WITHOUT_DSPARK
+def test_stop_conditions_land_mid_overlap_and_emit_nothing_extra(engines, spec):
     """A request whose token stops it has one more step in flight: that step's token must be dropped."""
     make, overlapped = engines
-    sync, overlap = make()
+    sync, overlap = make(speculative_config=spec)
     batch = prompts([20, 7, 33, 11])
     free = [o.outputs[0].token_ids for o in sync.generate(batch, GREEDY, use_tqdm=False)]
     text = sync.get_tokenizer().decode(free[3])
@@ -106,9 +120,10 @@ def test_stop_conditions_land_mid_overlap_and_emit_nothing_extra(engines):
     assert overlapped["steps"] > 0
 
 
-def test_abort_while_a_step_is_in_flight(engines):
+@WITH_AND_WITHOUT_DSPARK
+def test_abort_while_a_step_is_in_flight(engines, spec):
     make, overlapped = engines
-    sync, overlap = make()
+    sync, overlap = make(speculative_config=spec)
     batch = prompts([10, 50, 90, 14])
     want = completions(sync.generate(batch[1::2], GREEDY, use_tqdm=False))
     engine = overlap.llm_engine
@@ -182,8 +197,11 @@ def test_async_scheduling_defaults_and_refusals():
     from vllm.engine.arg_utils import EngineArgs
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert EngineArgs(device="cpu").create_engine_config().scheduler_config.async_scheduling is False
-    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
+    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with ngram speculation"):
         EngineArgs(device="cpu", async_scheduling=True, speculative_config=ngram).create_engine_config()
+    dspark = {"method": "dspark", "model": str(DEFAULT_DSPARK_DIR), "num_speculative_tokens": 2}
+    assert EngineArgs(device="cpu", async_scheduling=True,
+                      speculative_config=dspark).create_engine_config().scheduler_config.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling must be true, false or unset"):
         EngineArgs(device="cpu", async_scheduling="yes").create_engine_config()
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())

@@ -93,8 +93,35 @@ def test_draft_confidences_rows_follow_the_request_ids():
     ids, _ = conf.rows(["a"])
     assert torch.equal(ids, torch.ones(1, 3))
     table = torch.rand(3, 3, generator=torch.Generator().manual_seed(0))
-    conf.update(["a", "b", "c"], table, table.clone())
+    conf.update(["a", "b", "c"], table)
     for order in (["a", "b", "c"], ["c", "a"], ["b", "new", "a"]):
         device, host = conf.rows(order)
         want = torch.stack([table[ord(r) - ord("a")] if r != "new" else torch.ones(3) for r in order])
         assert torch.equal(device, want) and np.array_equal(host, want.numpy())
+
+
+class _Copy:
+    """A device-to-host copy's event that has or has not completed yet."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_the_host_plans_with_the_newest_landed_confidences_and_never_waits():
+    """Under async scheduling the next step is planned while the drafter's host copy is on its way: the device
+    split reads the newest table, the host budget the newest one that landed (one step stale), as upstream."""
+    conf = DraftConfidences(2, torch.device("cpu"))
+    old, new = torch.tensor([[0.9, 0.8]]), torch.tensor([[0.2, 0.1]])
+    conf.update(["a"], old)
+    conf.update(["a"], new)
+    index, host, _ = conf._pending[-1]
+    copy = _Copy(False)
+    conf._pending[-1] = (index, host, copy)  # the newest copy has not landed
+    device, host_rows = conf.rows(["a"])
+    assert torch.equal(device, new) and np.array_equal(host_rows, old.numpy())
+    copy.done = True
+    _, host_rows = conf.rows(["a"])
+    assert np.array_equal(host_rows, new.numpy())

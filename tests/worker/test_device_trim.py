@@ -107,11 +107,14 @@ def test_trim_on_device_recuts_every_per_token_buffer():
     assert common.seq_lens_cpu.tolist() == seq_lens  # the host keeps the scheduled lengths as an upper bound
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(graph_backends, model_dir,
-                                                                              tmp_path, monkeypatch):
+                                                                              tmp_path, monkeypatch,
+                                                                              async_scheduling):
     """`enable_adaptive_verification` through the real DSpark path: start-up cost tables, b* from the draft's
     confidences, the host's even split against the device's survival split (host [3, 3] against device [4, 2]
-    or [2, 4] once the budget is 4 for two rows of three drafts), and greedy output equal to no speculation."""
+    or [2, 4] once the budget is 4 for two rows of three drafts), and greedy output equal to no speculation;
+    also with async scheduling, where the next step is re-cut before the host has the last one's tokens."""
     from vllm.spec_decode import adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
@@ -133,8 +136,10 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     # On a GPU adaptive verification runs in CUDA graphs (its start-up gate); on the CPU eagerly.
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
-    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), speculative_config={
-        "method": "dspark", "model": draft, "num_speculative_tokens": 3, "enable_adaptive_verification": True})
+    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}),
+               async_scheduling=async_scheduling, speculative_config={
+                   "method": "dspark", "model": draft, "num_speculative_tokens": 3,
+                   "enable_adaptive_verification": True})
     verifier = llm.llm_engine.runner.device_trim_hook
     assert isinstance(verifier, adaptive.AdaptiveVerifier)
     assert verifier.costs.verify(1) > 0 and verifier.costs.draft(1) >= 0

@@ -57,6 +57,9 @@ class Request:
     speculate: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 1
+    # Drafts scheduled in steps whose results are not back yet (async scheduling). num_computed_tokens counts them
+    # as accepted; the device takes the rejected ones back from the next row's positions (InputBatch.prepare).
+    num_spec_in_flight: int = 0
     spec_stats: SpecDecodeStats | None = None
     # Fault containment: a request that was in a failed step is a suspect, run alone until it samples in a step
     # that succeeds (then the failure was someone else's); `num_failed_steps` bounds how often it may be retried.
@@ -92,8 +95,9 @@ class Request:
 
     @property
     def num_scheduled_tokens_left(self) -> int:
-        """Tokens to compute before the request is up to date, counting those in flight as known."""
-        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+        """Tokens to compute before the request is up to date, counting those in flight as known and drafts in
+        flight as rejected (a verify step in flight emits at least its first token)."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens + self.num_spec_in_flight
 
     @property
     def is_prefilling(self) -> bool:

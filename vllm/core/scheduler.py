@@ -34,6 +34,9 @@ class ScheduledRequest:
     is_prefilling: bool  # request state: a prompt (or recompute) chunk, whatever its length
     samples: bool  # the step reaches the request's last known token, so a new token is sampled
     draft_token_ids: list[int] = field(default_factory=list)  # verified this step; -1 = placeholder
+    # Drafts of the request's step in flight when this row was scheduled (async scheduling): num_computed_tokens
+    # counted them as accepted, and the device moves the row back by the rejected ones.
+    num_spec_in_flight: int = 0
 
     @property
     def num_draft_tokens(self) -> int:
@@ -87,6 +90,11 @@ class Scheduler:
                 continue
             n = min(req.num_scheduled_tokens_left, budget)
             drafts = self._drafts(req, n, budget) if self.num_spec else []
+            if req.num_spec_in_flight and req.num_computed_tokens + n + len(drafts) > self.config.max_model_len:
+                # Placed after every draft in flight, the row would pass --max-model-len (where the true one
+                # may not): it waits for the step in flight's results, which place it exactly.
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n + len(drafts)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -122,10 +130,11 @@ class Scheduler:
         if the step had run: with async scheduling the next step is scheduled before this one's tokens are
         back. A row that samples leaves an output placeholder until its token arrives (update_from_output);
         rejected drafts are taken back there."""
-        samples = req.num_computed_tokens + n == req.num_tokens + req.num_output_placeholders
+        samples = req.num_computed_tokens - req.num_spec_in_flight + n == req.num_tokens + req.num_output_placeholders
         row = ScheduledRequest(req, n + len(drafts), req.num_computed_tokens, req.is_prefilling and not drafts,
-                               samples, drafts)
+                               samples, drafts, req.num_spec_in_flight)
         req.num_computed_tokens += n + len(drafts)
+        req.num_spec_in_flight += len(drafts)
         req.num_output_placeholders += samples
         return row
 
@@ -181,6 +190,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_spec_in_flight = 0
         req.spec_token_ids = []
         req.num_accepted_tokens = 1
         self.waiting.appendleft(req)
@@ -202,6 +212,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:  # not preempted since: it still holds the step's cache
                 # Rejected drafts were computed but are not part of the sequence: the next step overwrites them.
                 req.num_computed_tokens -= len(s.draft_token_ids) - accepted
+                req.num_spec_in_flight -= len(s.draft_token_ids)
             req.num_accepted_tokens = 1 + accepted
             if self.num_spec:
                 req.spec_token_ids = []

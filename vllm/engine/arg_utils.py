@@ -47,7 +47,7 @@ class EngineArgs:
     kda_decode_backend: str = "auto"
     speculative_config: str | dict | None = None  # JSON text (CLI) or a dict (LLM(...))
     compilation_config: str | dict | None = None
-    async_scheduling: bool | None = None  # None: on for CUDA without speculation
+    async_scheduling: bool | None = None  # None: on for CUDA unless ngram speculates
     trust_remote_code: bool = False
     generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; or a directory
 
@@ -158,14 +158,16 @@ class EngineArgs:
         )
 
     def _async_scheduling(self, device: torch.device, spec: SpeculativeConfig | None) -> bool:
+        ngram = spec is not None and spec.method == "ngram"
         if self.async_scheduling is None:
-            return device.type == "cuda" and spec is None
+            return device.type == "cuda" and not ngram
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}")
-        if self.async_scheduling and spec is not None:
-            raise ValueError("--async-scheduling cannot be combined with --speculative-config: drafts (ngram and "
-                             "DSpark alike) start from the tokens of the step before, which are still on the device "
-                             "when the next step is scheduled; drop one of the two flags")
+        if self.async_scheduling and ngram:
+            raise ValueError("--async-scheduling cannot be combined with ngram speculation: the ngram proposer drafts "
+                             "on the host from the tokens of the step before, which are still on the device when the "
+                             "next step is scheduled; drop one of the two flags, or use DSpark drafts (proposed on "
+                             "the device)")
         return self.async_scheduling
 
     def _device(self) -> torch.device:

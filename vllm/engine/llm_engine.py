@@ -20,6 +20,7 @@ from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
 from vllm.sample.penalties import PenaltyCounts
+from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
 from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
@@ -56,6 +57,7 @@ class LLMEngine:
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
+        self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
@@ -185,14 +187,18 @@ class LLMEngine:
                                                in_flight, "sample")
             spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids], in_flight,
                                                     "verify")
-            launched = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling, in_flight)
+            last = self.last_launched.in_flight_step if self.last_launched is not None else None
+            launched = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling, last)
         except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
             outputs += self._drain()
             return outputs + self._contain(sched, e)
+        self.last_launched = launched
         outputs += self._drain()
         self.in_flight = (sched, launched)
         if not self.async_scheduling:
             outputs += self._drain()
+        if self.runner.drafter is not None:
+            self._take_device_drafts(launched)
         return outputs
 
     def _needs_history(self) -> bool:
@@ -226,8 +232,6 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
         if self.proposer is not None:
             self._propose()
-        elif result.drafts:
-            self._take_drafts(result.drafts)
         self._free_penalty_rows()
         return outputs
 
@@ -252,6 +256,8 @@ class LLMEngine:
         else:
             logger.warning("a step of %d requests failed (%s); recomputing them one at a time to find the cause",
                            len(reqs), message, exc_info=error)
+        for req in self.scheduler.running:
+            req.spec_token_ids = []  # device drafts: the failed step may have overwritten them
         for req in reversed(reqs):  # requeue keeps the step's order at the front of the queue
             req.num_failed_steps += 1
             if req in culprits:
@@ -270,20 +276,24 @@ class LLMEngine:
             if req.speculate and not req.is_prefilling and room > 0:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids())[:room]
 
-    def _take_drafts(self, drafts: dict[str, list[int]]) -> None:
-        """The DSpark drafts the step proposed, for the requests still running; like ngram's, never past
-        --max-model-len."""
+    def _take_device_drafts(self, launched: AsyncModelRunnerOutput) -> None:
+        """The DSpark drafts `launched` proposed stay on the device; each running request verifies its share of
+        them next step (device-draft markers the input batch replaces), like ngram's never past max_tokens or
+        --max-model-len. A request the step did not draft for has none: older drafts are gone with their step."""
+        drafted = set(launched.draft_rows)
         max_len = self.config.model_config.max_model_len
         for req in self.scheduler.running:
-            tokens = drafts.get(req.request_id)
-            if tokens is not None and not req.is_prefilling:
-                room = min(self._draft_room(req), max_len - len(req.all_token_ids()))
-                req.spec_token_ids = tokens[:max(room, 0)]
+            room = 0
+            if req.request_id in drafted and not req.is_prefilling:
+                # The next row starts at num_computed_tokens, which counts drafts in flight as accepted.
+                room = min(self._draft_room(req), max_len - req.num_computed_tokens - 1, self.num_spec)
+            req.spec_token_ids = [DEVICE_DRAFT_TOKEN_ID] * max(room, 0)
 
     @staticmethod
     def _draft_room(req: Request) -> int:
-        """A verify step emits up to 1 + drafts tokens, so drafts stop one short of the remaining max_tokens."""
-        return req.max_tokens - len(req.output_token_ids) - 1
+        """A verify step emits up to 1 + drafts tokens, so drafts stop one short of the remaining max_tokens;
+        each step in flight emits at least one."""
+        return req.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:

@@ -108,9 +108,9 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
 class AdaptiveVerifier:
     """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
 
-    On an all-verify step: survivals from the host copy of the draft's confidences (the engine steps
-    synchronously under speculation, so the host copy is the one the drafts came with), b* from the cost
-    tables, the host's even split for the metadata, and the device's survival split from the device copy."""
+    On an all-verify step: survivals from the newest landed host copy of the draft's confidences (one step
+    stale under async scheduling), b* from the cost tables, the host's even split for the metadata, and the
+    device's survival split from the device table."""
 
     def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int) -> None:
         self.confidences, self.costs, self.max_total_logits = confidences, costs, max_total_logits
@@ -137,32 +137,61 @@ class AdaptiveVerifier:
 
 
 class DraftConfidences:
-    """The latest confidence of each request's drafts: a device table [rows, K] and its host copy, written by
-    the drafter each step; requests without drafts yet read 1.0 (as upstream starts them)."""
+    """The latest confidences of each request's drafts, as adaptive verification reads them: on the device, the
+    table the drafter wrote last [rows, K] (the device split takes it, as fresh as the drafts it judges); on the
+    host, the newest table whose copy has landed (the budget takes it). The host copy is queued behind the
+    drafter and never waited for: under async scheduling the next step is planned while it is still on its way,
+    so the host plans with the table one step older, as upstream does. Requests without confidences read 1.0
+    (as upstream starts them)."""
 
     def __init__(self, num_spec: int, device: torch.device) -> None:
         self.num_spec, self.table_device = num_spec, device
-        self.index: dict[str, int] = {}
+        self.index: dict[str, int] = {}  # the device table's rows
         self.device: torch.Tensor | None = None
-        self.host: torch.Tensor | None = None
+        # Host copies not known to have landed yet, oldest first: (rows, copy, event recorded behind it).
+        self._pending: list[tuple[dict[str, int], torch.Tensor, torch.cuda.Event | None]] = []
+        self.host_index: dict[str, int] = {}
+        self.host: np.ndarray | None = None
 
-    def update(self, request_ids: list[str], device: torch.Tensor, host: torch.Tensor) -> None:
-        """host: a copy queued behind the step (pinned on CUDA); read only once the step's outputs are in."""
+    def update(self, request_ids: list[str], device: torch.Tensor) -> None:
+        self._landed()
+        del self._pending[:-1]  # at most two in flight: an older copy is superseded by a newer one
         self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self.device, self.host = device, host
+        self.device = device
+        event = None
+        if device.is_cuda:
+            event = torch.cuda.Event()
+            host = device.to("cpu", non_blocking=True)
+            event.record()
+        else:
+            host = device.clone()
+        self._pending.append((self.index, host, event))
+
+    def _landed(self) -> None:
+        """Takes the newest host copy whose event has completed (a query, never a wait)."""
+        while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
+            index, host, _ = self._pending.pop(0)
+            self.host_index, self.host = index, host.float().numpy()
 
     def rows(self, request_ids: list[str]) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows of these requests: device [R, K] float32 from the latest table, host [R, K] from the newest
+        landed one."""
+        self._landed()
         K = self.num_spec
+        if self.host is None:
+            host_rows = np.ones((len(request_ids), K), dtype=np.float32)
+        else:
+            host_rows = np.concatenate([self.host, np.ones((1, K), dtype=np.float32)])[
+                [self.host_index.get(rid, -1) for rid in request_ids]]
         if self.device is None:
-            ones = np.ones((len(request_ids), K), dtype=np.float32)
-            return async_tensor_h2d(ones, torch.float32, self.table_device), ones
+            return async_tensor_h2d(np.ones((len(request_ids), K), dtype=np.float32), torch.float32,
+                                    self.table_device), host_rows
         if len(request_ids) == len(self.index) and all(map(str.__eq__, request_ids, self.index)):
             # The steady state: the same requests in the order they were drafted, so the table is the step's
             # rows as it stands (no gather: each eager op here runs before the step's graph, unoverlapped).
-            return self.device.float(), self.host.float().numpy()
+            return self.device.float(), host_rows
         # Row -1: a request with no confidences yet; it reads the 1.0 row appended here.
         picks = [self.index.get(rid, -1) for rid in request_ids]
         table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])
-        host_table = np.concatenate([self.host.float().numpy(), np.ones((1, K), dtype=np.float32)])
         idx = async_tensor_h2d(picks, torch.int64, table.device)  # pinned: a pageable copy would wait for the GPU
-        return table[idx], host_table[picks]
+        return table[idx], host_rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,11 +16,38 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
+from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID, PLACEHOLDER_TOKEN_ID
 from vllm.utils import async_tensor_h2d
 
-# The step in flight's sampled tokens on the device and each sampling request's row in them: where a step
-# scheduled ahead of its predecessor's results finds the tokens its host does not have yet.
+# The step in flight's sampled tokens on the device and each sampling request's row in them (what penalties
+# count before the host has them).
 InFlightTokens = tuple[torch.Tensor, dict[str, int]]
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """The device outputs of the latest launched step, where a step prepared before their host copies are read
+    finds what its host does not know: a row's newest token (sampled, or the last a verify row emitted), how
+    many drafts a verify row kept, and the DSpark drafts proposed for the next step. Each dict maps a request to
+    its row in the tensor beside it."""
+    sampled: torch.Tensor | None = None  # [sample rows] int64
+    sample_rows: dict[str, int] = field(default_factory=dict)
+    verified: torch.Tensor | None = None  # [verify rows, 1 + K]: accepted drafts, then one more, then -1
+    verify_rows: dict[str, int] = field(default_factory=dict)
+    drafts: torch.Tensor | None = None  # [draft rows, K]
+    draft_rows: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _DeviceFills:
+    """Where a step's host buffers hold stand-ins for device values (InputBatch._fill_in_flight)."""
+    anchors: list[tuple[int, str]] = field(default_factory=list)  # (token in the step, request)
+    # Rows continuing a verify row in flight: (row, its first token, its length, drafts in flight).
+    shifted: list[tuple[int, int, int, int]] = field(default_factory=list)
+    drafts: list[tuple[int, str, int]] = field(default_factory=list)  # (first draft's token, request, count)
+
+    def __bool__(self) -> bool:
+        return bool(self.anchors or self.drafts)
 
 
 class CpuGpuBuffer:
@@ -78,9 +106,11 @@ class InputBatch:
         self._last_decode_rows: list | None = None
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager,
-                in_flight: InFlightTokens | None = None) -> CommonAttentionMetadata:
-        """Writes the step's token ids, positions and cache indices; returns the step's common metadata. A row's
-        last token may still be on the device, sampled by the step in flight (`in_flight`): it is copied there."""
+                in_flight: InFlightStep | None = None) -> CommonAttentionMetadata:
+        """Writes the step's token ids, positions and cache indices; returns the step's common metadata. What the
+        host does not know yet is on the device in `in_flight` (the latest launched step's outputs) and is
+        copied there: a row's newest token, its DSpark drafts and, after a verify row whose results are not back,
+        the row's true start (the host placed it as if every draft in flight were accepted)."""
         if self._copied is not None:
             self._copied.synchronize()
         bs = self.block_size
@@ -96,7 +126,7 @@ class InputBatch:
             qsl[1:n_reqs + 1] = np.cumsum(lens)
         seq_lens[:n_reqs] = starts + lens
         T = int(qsl[n_reqs])
-        unknown = self._write_tokens(scheduled, reqs, starts, T, continues)
+        fills = self._write_tokens(scheduled, reqs, starts, T, continues)
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
         positions[:] = np.arange(T) + np.repeat(starts - qsl[:n_reqs], lens)
@@ -120,8 +150,8 @@ class InputBatch:
         else:
             self.slot_mapping.np[:T] = -1
         self._copy_to_device(n_reqs, T, rows_changed=not continues)
-        if unknown:
-            self._fill_in_flight(unknown, in_flight)
+        if fills:
+            self._fill_in_flight(fills, in_flight, kv.needs_blocks)
         decode_only = T == n_reqs and not self.spec and not self.is_prefilling_np[:n_reqs].any()
         self._last_decode_rows = reqs if decode_only else None
         return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
@@ -137,29 +167,36 @@ class InputBatch:
                 and bool((lens == 1).all()) and np.array_equal(starts, self.seq_lens.np[:len(reqs)])
                 and not any(s.is_prefilling for s in scheduled))
 
-    def _write_tokens(self, scheduled: list, reqs: list, starts: np.ndarray, T: int,
-                      continues: bool) -> list[tuple[int, str]]:
-        """Writes the step's token ids (drafts as scheduled, placeholders as 0); returns (position in the step,
-        request) of the tokens still on the device. A continuing step whose every token is in flight (async
-        scheduling's steady state) reads no request's tokens."""
+    def _write_tokens(self, scheduled: list, reqs: list, starts: np.ndarray, T: int, continues: bool) -> _DeviceFills:
+        """Writes the step's token ids (drafts as scheduled, placeholders and device drafts as 0); returns where
+        the device must fill in what the host does not have. A continuing step whose every token is in flight
+        (async scheduling's steady state) reads no request's tokens."""
+        fills = _DeviceFills()
         if continues and (starts >= np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))).all():
             self.input_ids.np[:T] = 0  # draft ids are read only when speculating, which never continues
-            return [(pos, r.request_id) for pos, r in enumerate(reqs)]
+            fills.anchors = [(pos, r.request_id) for pos, r in enumerate(reqs)]
+            return fills
         tokens: list[int] = []
-        unknown: list[tuple[int, str]] = []
-        for s, start in zip(scheduled, starts.tolist()):
+        for r, (s, start) in enumerate(zip(scheduled, starts.tolist())):
             drafts, req = s.draft_token_ids, s.request
-            end = start + s.num_tokens - len(drafts)
+            # Drafts in flight placed the row as if all were accepted; its tokens are those of the row placed as
+            # if all were rejected, the least a step in flight can emit.
+            first = start - s.num_spec_in_flight
+            end = first + s.num_tokens - len(drafts)
             known = min(end, req.num_tokens)
-            tokens += req.token_ids_slice(start, known)
+            if s.num_spec_in_flight:
+                fills.shifted.append((r, len(tokens), s.num_tokens, s.num_spec_in_flight))
+            tokens += req.token_ids_slice(first, known)
             if end > known:
                 assert end == known + 1, "only the last sampled token can still be in flight"
-                unknown.append((len(tokens), req.request_id))
+                fills.anchors.append((len(tokens), req.request_id))
                 tokens.append(0)
+            if drafts and drafts[0] == DEVICE_DRAFT_TOKEN_ID:
+                fills.drafts.append((len(tokens), req.request_id, len(drafts)))
             tokens += drafts
         self.draft_ids.np[:T] = tokens
         np.maximum(self.draft_ids.np[:T], 0, out=self.input_ids.np[:T])  # a placeholder runs as token 0
-        return unknown
+        return fills
 
     def _append_blocks(self, kv: KVCacheManager, rids: list[str], rows) -> None:
         """Brings the table rows up to date with their requests' block lists: a row whose list is the one it
@@ -198,19 +235,53 @@ class InputBatch:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _fill_in_flight(self, unknown: list[tuple[int, str]], in_flight: InFlightTokens | None) -> None:
-        """Copies each row's token sampled by the step in flight into the step's device token ids."""
-        if in_flight is None:
-            raise RuntimeError("a scheduled token is neither on the host nor sampled by a step in flight")
-        sampled, row_of = in_flight
-        positions, rows = [pos for pos, _ in unknown], [row_of[rid] for _, rid in unknown]
-        n = len(unknown)
-        if positions == rows == list(range(n)):
+    def _fill_in_flight(self, fills: _DeviceFills, step: InFlightStep | None, has_blocks: bool) -> None:
+        """Copies into the step's device buffers what only the device knows (see prepare), from `step`."""
+        if step is None:
+            raise RuntimeError("a scheduled token is neither on the host nor on the device from the step before")
+        anchors = fills.anchors
+        sampled = [(pos, step.sample_rows[rid]) for pos, rid in anchors if rid not in step.verify_rows]
+        n = len(sampled)
+        if not fills.drafts and n == len(anchors) and all(p == j == i for i, (p, j) in enumerate(sampled)):
             # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
-            self.input_ids.gpu[:n].copy_(sampled[:n])
+            self.input_ids.gpu[:n].copy_(step.sampled[:n])
             return
-        index = async_tensor_h2d([positions, rows], torch.int64, sampled.device)
-        self.input_ids.gpu[index[0]] = sampled[index[1]]
+        verified = [(pos, step.verify_rows[rid]) for pos, rid in anchors if rid in step.verify_rows]
+        draft_tokens = [(pos + j, step.draft_rows[rid], j) for pos, rid, k in fills.drafts for j in range(k)]
+        # Rows continuing a verify row: each token's row and its index among the verified anchors.
+        shifted = fills.shifted
+        assert len(shifted) == len(verified), "a row continues a verify row in flight, or has drafts in flight"
+        shift_tokens = [(first + t, r, i) for i, (r, first, length, _) in enumerate(shifted) for t in range(length)]
+        parts = [[p for p, _ in sampled], [j for _, j in sampled], [p for p, _ in verified],
+                 [j for _, j in verified], [r for r, *_ in shifted], [k for *_, k in shifted],
+                 [p for p, _, _ in draft_tokens], [j for _, j, _ in draft_tokens], [c for *_, c in draft_tokens],
+                 [p for p, _, _ in shift_tokens], [r for _, r, _ in shift_tokens], [i for *_, i in shift_tokens]]
+        cuts = np.cumsum([0] + [len(p) for p in parts])
+        packed = async_tensor_h2d(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), torch.int64,
+                                  self.input_ids.gpu.device)
+        (s_pos, s_src, v_pos, v_src, v_row, v_spec, d_pos, d_src, d_col, t_pos, t_row, t_of) = (
+            packed[cuts[i]:cuts[i + 1]] for i in range(len(parts)))
+        ids = self.input_ids.gpu
+        if n:
+            ids[s_pos] = step.sampled[s_src]
+        if verified:
+            rows = step.verified[v_src]
+            emitted = (rows != PLACEHOLDER_TOKEN_ID).sum(1)  # >= 1: a verify row emits its first token
+            ids[v_pos] = rows.gather(1, (emitted - 1)[:, None]).squeeze(1)
+            # The row was placed after every draft in flight; the rejected ones come back off its tokens.
+            shift = v_spec - (emitted - 1)
+            self.num_accepted.gpu[v_row] = emitted.to(torch.int32)
+            self.seq_lens.gpu[v_row] -= shift.to(torch.int32)
+            positions = self.positions.gpu
+            positions[t_pos] -= shift[t_of]
+            if has_blocks:
+                pos = positions[t_pos]
+                block = self.block_table.gpu[t_row, pos // self.block_size].long()
+                self.slot_mapping.gpu[t_pos] = block * self.block_size + pos % self.block_size
+        if draft_tokens:
+            drafts = step.drafts[d_src, d_col]
+            ids[d_pos] = drafts
+            self.draft_ids.gpu[d_pos] = drafts
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   freeze_host: bool) -> CommonAttentionMetadata:

@@ -34,7 +34,7 @@ from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.decode_tail import DecodeTail, decode_tail
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
                                    capture_descriptors, capture_sizes, resolve_mode)
-from vllm.worker.input_batch import InFlightTokens, InputBatch
+from vllm.worker.input_batch import InFlightStep, InFlightTokens, InputBatch
 from vllm.worker.piecewise import PiecewiseCUDAGraphs, piecewise_sizes
 from vllm.worker.warmup import eager_warmup_steps
 
@@ -60,8 +60,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # per request: rows for the prompt positions this step covered (first prompt token has none)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
-    # per request the DSpark draft proposed on the device: K tokens to verify next step
-    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -90,15 +88,24 @@ class AsyncModelRunnerOutput:
     sampled_host: torch.Tensor | None = None
     logprobs_host: _HostLogprobs | None = None
     verify_rows: list[str] = field(default_factory=list)  # requests whose drafts were verified, in order
-    verified_host: torch.Tensor | None = None  # [rows, 1 + K] accepted tokens then placeholders
+    verified: torch.Tensor | None = None  # device [rows, 1 + K] accepted tokens then placeholders
+    verified_host: torch.Tensor | None = None
     prompt_logprobs_host: dict[str, _HostLogprobs] = field(default_factory=dict)
+    # The DSpark drafts proposed for the next step: they stay on the device, where the next step's inputs take
+    # them (InputBatch.prepare); the host only learns how many each request got.
     draft_rows: list[str] = field(default_factory=list)  # requests the DSpark draft proposed for, in order
-    drafts_host: torch.Tensor | None = None  # [draft rows, K]
+    drafts: torch.Tensor | None = None  # device [draft rows, K]
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
 
     @property
     def in_flight_tokens(self) -> InFlightTokens | None:
         return None if self.sampled_token_ids is None else (self.sampled_token_ids, self.sample_rows)
+
+    @property
+    def in_flight_step(self) -> InFlightStep:
+        return InFlightStep(self.sampled_token_ids, self.sample_rows, self.verified,
+                            {rid: i for i, rid in enumerate(self.verify_rows)}, self.drafts,
+                            {rid: i for i, rid in enumerate(self.draft_rows)})
 
     def get_output(self) -> ModelRunnerOutput:
         """Waits for the step's results (the one host-device synchronisation of a step) and returns them."""
@@ -119,8 +126,6 @@ class AsyncModelRunnerOutput:
         for rid, host in self.prompt_logprobs_host.items():
             t = host.lists()
             result.prompt_logprobs[rid] = list(zip(t[0], t[1], t[2]))
-        if self.drafts_host is not None:
-            result.drafts = dict(zip(self.draft_rows, self.drafts_host.tolist()))
         return result
 
 
@@ -517,11 +522,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, kv: KVCacheManager, sampling: SamplingMetadata | None,
                       spec_sampling: SamplingMetadata | None = None,
-                      in_flight: InFlightTokens | None = None) -> AsyncModelRunnerOutput:
+                      last_step: InFlightStep | None = None) -> AsyncModelRunnerOutput:
         """Queues one step on the device and returns without waiting for it. `sampling` covers the sampling rows
-        without drafts, `spec_sampling` the verify rows, each in step order; `in_flight`: the sampled tokens of
-        a step still running, which rows of this one continue from."""
-        common = self.input_batch.prepare(out, kv, in_flight)
+        without drafts, `spec_sampling` the verify rows, each in step order; `last_step`: the device outputs of
+        the step launched before, which may still be running (its tokens and drafts continue rows of this one)."""
+        common = self.input_batch.prepare(out, kv, last_step)
         trimmed = None
         if self.device_trim_hook is not None and out.scheduled and all(s.draft_token_ids for s in out.scheduled):
             trimmed, device_lens = self.device_trim_hook(out, common)
@@ -604,6 +609,7 @@ class ModelRunner:
     def _queue_verified(self, out: SchedulerOutput, rows: list[int], verified: torch.Tensor,
                         result: AsyncModelRunnerOutput) -> None:
         result.verify_rows = [out.scheduled[r].request.request_id for r in rows]
+        result.verified = verified
         result.verified_host = async_tensor_d2h(verified)
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
@@ -629,10 +635,11 @@ class ModelRunner:
                sampled: torch.Tensor | None, verify_rows: list[int], verified: torch.Tensor | None,
                greedy_tail: DecodeTail | None, result: AsyncModelRunnerOutput) -> None:
         """DSpark drafts for the requests that sampled this step and may speculate, anchored at their newest
-        token: a sampling row's token lands at num_computed + num_tokens; a verify row that emitted m tokens
-        puts its last at num_computed + m. Everything stays on the device. `greedy_tail`: the step's graph
-        outputs when every row's tokens are its greedy ones, whose anchors then serve a step where every row
-        drafts."""
+        token: a sampling row's token lands right after the row's last token; a verify row that emitted m tokens
+        puts its last m after the row's first. Positions are read on the device, where they are exact (under
+        async scheduling the host places a row after every draft in flight). Everything stays on the device.
+        `greedy_tail`: the step's graph outputs when every row's tokens are its greedy ones, whose anchors then
+        serve a step where every row drafts."""
         picked = [(j, r) for j, r in enumerate(sample_rows) if out.scheduled[r].request.speculate]
         rows = [r for _, r in picked] + verify_rows
         if not rows:
@@ -643,21 +650,25 @@ class ModelRunner:
             self._propose(out, range(n), greedy_tail.anchor_ids[:n], greedy_tail.anchor_pos[:n],
                           common.block_table[:n], max_context, result)
             return
-        # One upload: the picked rows' indices among the sampled tokens, each row's anchor position (a verify
-        # row's before its emitted count, which only the device knows), each row's step row (its block table).
-        p, n = len(picked), len(rows)
-        host = [j for j, _ in picked] + [out.scheduled[r].num_computed_tokens + out.scheduled[r].num_tokens
-                                         for _, r in picked] \
-            + [out.scheduled[r].num_computed_tokens for r in verify_rows] + rows
-        packed = async_tensor_h2d(host, torch.int64, self.device)
-        positions, step_rows = packed[p:p + n], packed[p + n:]
-        anchors = [sampled[packed[:p]]] if picked else []
+        # One upload: the picked rows' indices among the sampled tokens and their last tokens in the step, then
+        # each row's step row (its block table; a verify row's first token is at its device offset).
+        ends = common.query_start_loc_cpu
+        p = len(picked)
+        packed = async_tensor_h2d([j for j, _ in picked] + [int(ends[r + 1]) - 1 for _, r in picked] + rows,
+                                  torch.int64, self.device)
+        step_rows = packed[2 * p:]
+        positions = self.input_batch.positions.gpu
+        anchors, anchor_pos = [], []
+        if picked:
+            anchors.append(sampled[packed[:p]])
+            anchor_pos.append(positions[packed[p:2 * p]] + 1)
         if verify_rows:
             emitted = (verified != PLACEHOLDER_TOKEN_ID).sum(1)
             anchors.append(verified.gather(1, (emitted - 1)[:, None]).squeeze(1))
-            positions[p:] += emitted
-        self._propose(out, rows, torch.cat(anchors) if len(anchors) > 1 else anchors[0], positions,
-                      common.block_table[step_rows], max_context, result)
+            first = common.query_start_loc[step_rows[p:]].long()
+            anchor_pos.append(positions[first] + emitted)
+        cat = (lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0])
+        self._propose(out, rows, cat(anchors), cat(anchor_pos), common.block_table[step_rows], max_context, result)
 
     def _propose(self, out: SchedulerOutput, rows, anchors: torch.Tensor, positions: torch.Tensor,
                  block_table: torch.Tensor, max_context: int, result: AsyncModelRunnerOutput) -> None:
@@ -665,9 +676,9 @@ class ModelRunner:
                                                   # only the device-trim hook (adaptive) reads them
                                                   with_confidence=self.device_trim_hook is not None)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
-        result.drafts_host = async_tensor_d2h(drafts)
+        result.drafts = drafts
         if confidence is not None:
-            self.confidences.update(result.draft_rows, confidence, async_tensor_d2h(confidence))
+            self.confidences.update(result.draft_rows, confidence)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: AsyncModelRunnerOutput) -> None:

@@ -39,7 +39,10 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
 
     def build(self, common: CommonAttentionMetadata) -> TorchMLAMetadata:
         n = common.num_reqs
-        seq_lens = common.seq_lens_cpu[:n].tolist()
+        # The device lengths are the exact ones (the host's are an upper bound: under async scheduling a row after
+        # a verify step in flight is placed as if all its drafts were accepted). A reference may read them.
+        seq_lens_t = common.seq_lens[:n].cpu()
+        seq_lens = seq_lens_t.tolist()
         max_len = max(seq_lens, default=0)
         pos = torch.arange(max_len, device=common.block_table.device)
         blocks = common.block_table[:n, :-(-max_len // self.block_size)].long()
@@ -54,7 +57,7 @@ class TorchMLAMetadataBuilder(AttentionMetadataBuilder):
         decode = common.single_token_decode_rows()
         if len(decode):
             dev = rows.device
-            lens = common.seq_lens_cpu[decode]
+            lens = seq_lens_t[decode]
             S = int(lens.max())
             meta.decode_token_idx = common.query_start_loc_cpu[decode].long().to(dev)
             meta.decode_slots = rows[decode.to(dev), :S]
