@@ -24,6 +24,8 @@ def test_cost_curve_is_monotone_a_step_function_inside_the_captures_and_linear_b
     assert curve(20) == pytest.approx(4.0)  # interpolated above the largest graph
     assert curve(40) == pytest.approx(7.0)  # extrapolated from the last two points
     assert all(curve(n) <= curve(n + 1) for n in range(1, 60))
+    sizes = np.array([0, 1, 5, 17, 40, 300, 3])  # the table the budget reads: the same values, any order
+    assert curve.at(sizes).tolist() == [curve(int(n)) for n in sizes]
 
 
 def test_a_100x_verify_cost_jump_admits_only_the_most_confident_draft():

@@ -8,7 +8,7 @@ in total.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ class CostCurve:
     costs: np.ndarray
     max_captured: int
     floor: float = 0.0
+    # The curve at every size 0..len - 1, filled on first use: the budget reads it at hundreds of sizes a step
+    # (every b up to the step's drafts), where a Python call per size cost milliseconds at 64 requests.
+    _dense: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def from_samples(cls, samples: dict[int, list[float]], max_captured: int, floor: float = 0.0) -> CostCurve:
@@ -51,6 +54,13 @@ class CostCurve:
         slope = (c[-1] - c[-2]) / (s[-1] - s[-2])
         return float(max(c[-1] + slope * (size - s[-1]), self.floor))
 
+    def at(self, sizes: np.ndarray) -> np.ndarray:
+        """The curve at many integer sizes >= 0 (from a table of every size up to the largest asked for)."""
+        top = int(sizes.max(initial=0))
+        if top >= len(self._dense):
+            self._dense = np.array([self(n) for n in range(max(2 * top, 64) + 1)])
+        return self._dense[sizes]
+
 
 @dataclass(slots=True)
 class VerifyCosts:
@@ -68,26 +78,26 @@ def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling
     S = np.sort(np.asarray(survivals, dtype=np.float64))[::-1]
     b_max = max(0, min(len(S), max_total_logits - num_reqs * num_bonus))
     gain = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(S[:b_max])])
-    draft = costs.draft(num_reqs)
-    cost = np.array([draft + max(costs.verify(num_non_draft_tokens + b), MIN_VERIFY_COST) for b in range(b_max + 1)])
+    verify = costs.verify.at(num_non_draft_tokens + np.arange(b_max + 1))
+    cost = costs.draft(num_reqs) + np.maximum(verify, MIN_VERIFY_COST)
     return int(np.argmax(gain / cost))
 
 
 def even_split(budget: int, num_drafts: list[int]) -> list[int]:
     """The host's split: `budget` draft slots spread evenly over the verifying rows (the remainder to the
     first ones), never more than a row's own drafts. Same total as the device's split."""
-    if budget > sum(num_drafts):
-        raise ValueError(f"a budget of {budget} exceeds the {sum(num_drafts)} scheduled drafts")
-    caps = [0] * len(num_drafts)
+    drafts = np.asarray(num_drafts, dtype=np.int64)
+    if budget > drafts.sum():
+        raise ValueError(f"a budget of {budget} exceeds the {int(drafts.sum())} scheduled drafts")
+    caps = np.zeros_like(drafts)
     left = budget
-    while left:
-        open_rows = [r for r, d in enumerate(num_drafts) if caps[r] < d]
+    while left:  # each pass fills at least one row or spends the whole budget: at most K + 1 passes
+        open_rows = np.flatnonzero(caps < drafts)
         share, extra = divmod(left, len(open_rows))
-        for k, r in enumerate(open_rows):
-            take = min(num_drafts[r] - caps[r], share + (k < extra))
-            caps[r] += take
-            left -= take
-    return caps
+        take = np.minimum(drafts[open_rows] - caps[open_rows], share + (np.arange(len(open_rows)) < extra))
+        caps[open_rows] += take
+        left -= int(take.sum())
+    return caps.tolist()
 
 
 def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
@@ -124,14 +134,15 @@ class AdaptiveVerifier:
 
     def __call__(self, out, common) -> tuple[list[int], torch.Tensor]:
         rows = out.scheduled
-        drafts = [len(s.draft_token_ids) for s in rows]
+        drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, len(rows))
         device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
-        survivals = np.concatenate([np.cumprod(host_conf[r, :d]) for r, d in enumerate(drafts)]) if rows else []
+        K = self.confidences.num_spec
+        # Every scheduled slot's survival: the running product of its row's confidences, up to the row's drafts.
+        survivals = np.cumprod(host_conf, axis=1)[np.arange(K)[None, :] < drafts[:, None]]
         budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
         self.last_budget = budget
         host = [1 + c for c in even_split(budget, drafts)]
-        device_drafts = self._full_rows(len(rows), device_conf.device) if all(d == self.confidences.num_spec
-                                                                             for d in drafts) \
+        device_drafts = self._full_rows(len(rows), device_conf.device) if (drafts == K).all() \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)
         return host, 1 + device_split(device_conf, device_drafts, budget)
 

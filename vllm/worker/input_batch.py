@@ -375,6 +375,11 @@ class InputBatch:
         full_lens = full_qsl[1:] - full_qsl[:-1]
         self.seq_lens.gpu[:n] -= (full_lens - device_lens.long()).to(torch.int32)
         self.query_start_loc.gpu[:n + 1] = qsl.to(torch.int32)
-        self.query_start_loc.np[1:n + 1] = np.cumsum(cpu_lens)
+        # A new host tensor, not the pinned buffer: the copy of the scheduled offsets queued from that buffer may
+        # not have run yet (under async scheduling the device is still busy with the step before), and writing
+        # it now would hand the device the host's split instead.
+        host_qsl = torch.zeros(n + 1, dtype=torch.int32)
+        host_qsl[1:] = torch.from_numpy(np.cumsum(cpu_lens))
         # seq_lens_cpu keeps the scheduled lengths: an upper bound of the device values.
-        return dataclasses.replace(common, num_actual_tokens=T, slot_mapping=self.slot_mapping.gpu[:T])
+        return dataclasses.replace(common, num_actual_tokens=T, slot_mapping=self.slot_mapping.gpu[:T],
+                                   query_start_loc_cpu=host_qsl)
