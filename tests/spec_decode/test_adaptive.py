@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.spec_decode.adaptive import (CostCurve, DraftConfidences, VerifyCosts, choose_budget, device_split,
-                                       even_split)
+from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, VerifyCosts, choose_budget,
+                                       device_split, even_split)
 
 
 def _flat_draft():
@@ -127,3 +127,19 @@ def test_the_host_plans_with_the_newest_landed_confidences_and_never_waits():
     copy.done = True
     _, host_rows = conf.rows(["a"])
     assert np.array_equal(host_rows, new.numpy())
+
+
+def test_a_budget_that_keeps_every_draft_leaves_the_step_as_scheduled():
+    """b* = all drafts needs no re-cut: the hook returns None and queues nothing on the device; a smaller budget
+    re-cuts with the same total on both sides."""
+    from types import SimpleNamespace
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
+    step = SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r), draft_token_ids=[7] * 3)
+                                      for r in ("a", "b")])
+    free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1), CostCurve.from_samples({8: [1.0]}, max_captured=8))
+    assert AdaptiveVerifier(conf, free, 1024)(step, None) is None
+    steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
+                        CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
+    host, device = AdaptiveVerifier(conf, steep, 1024)(step, None)
+    assert sum(host) == int(device.sum()) == 3 and device.tolist() == [2, 1]

@@ -132,7 +132,7 @@ class AdaptiveVerifier:
             self._full = torch.full((max(num_rows, 64),), self.confidences.num_spec, dtype=torch.int64, device=device)
         return self._full[:num_rows]
 
-    def __call__(self, out, common) -> tuple[list[int], torch.Tensor]:
+    def __call__(self, out, common) -> tuple[list[int], torch.Tensor] | None:
         rows = out.scheduled
         drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, len(rows))
         device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
@@ -141,6 +141,8 @@ class AdaptiveVerifier:
         survivals = np.cumprod(host_conf, axis=1)[np.arange(K)[None, :] < drafts[:, None]]
         budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
         self.last_budget = budget
+        if budget == drafts.sum():
+            return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         host = [1 + c for c in even_split(budget, drafts)]
         device_drafts = self._full_rows(len(rows), device_conf.device) if (drafts == K).all() \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)

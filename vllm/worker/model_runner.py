@@ -47,8 +47,9 @@ GRAPH_MEMORY_SLACK_BYTES = 64 << 20
 COST_PROFILE_REPEATS = 5
 
 
-# (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run)
-DeviceTrimHook = Callable[[SchedulerOutput, CommonAttentionMetadata], tuple[list[int], torch.Tensor]]
+# (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run), or
+# None to run the step as scheduled
+DeviceTrimHook = Callable[[SchedulerOutput, CommonAttentionMetadata], tuple[list[int], torch.Tensor] | None]
 
 
 @dataclass(slots=True)
@@ -187,8 +188,8 @@ class ModelRunner:
     def set_device_trim_hook(self, hook: DeviceTrimHook | None) -> None:
         """Installs the adaptive-verification seam: on a step where every row verifies drafts, the hook gets
         the scheduled step and its metadata and returns (cpu_lens, device_lens): new row lengths (each
-        1..scheduled, same total) as the host metadata shows them and as the device runs them. Only backends
-        that take row lengths from the device offsets can run such steps."""
+        1..scheduled, same total) as the host metadata shows them and as the device runs them, or None to run
+        the step as scheduled. Only backends that take row lengths from the device offsets can run such steps."""
         builders = [b for b in (self.kda_builder, self.mla_builder) if b is not None]
         unable = [type(b).__name__ for b in builders if not b.supports_device_cpu_query_lens_mismatch()]
         if hook is not None and unable:
@@ -529,8 +530,10 @@ class ModelRunner:
         common = self.input_batch.prepare(out, kv, last_step)
         trimmed = None
         if self.device_trim_hook is not None and out.scheduled and all(s.draft_token_ids for s in out.scheduled):
-            trimmed, device_lens = self.device_trim_hook(out, common)
-            common = self.input_batch.trim_on_device(common, trimmed, device_lens)
+            trim = self.device_trim_hook(out, common)
+            if trim is not None:
+                trimmed, device_lens = trim
+                common = self.input_batch.trim_on_device(common, trimmed, device_lens)
         T = common.num_actual_tokens
         desc = self._graph_for(common)
         tail = None
