@@ -30,6 +30,7 @@ from bench_spec_builtin import timed_generate
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
+from vllm.spec_decode.adaptive import AdaptiveVerifier
 from vllm.tools.prepare_corpus import heldout_code_windows
 
 
@@ -117,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
                    "acceptance_rate_per_pos": [sum(col) / drafts for col in zip(
                        *(o.metrics.spec_num_accepted_tokens_per_pos for o in outs))] if drafts else None,
                    "identical_to_no_spec": ids == plain.get(c)}
+            verifier = llm.llm_engine.runner.device_trim_hook
+            if isinstance(verifier, AdaptiveVerifier):
+                # Cumulative over the engine's life (warm-ups and earlier concurrencies included).
+                row["adaptive_drafts_kept"] = verifier.num_kept / max(verifier.num_offered, 1)
+                row["adaptive_cost_tables_ms"] = {
+                    "verify": {int(n): 1e3 * float(c) for n, c in zip(verifier.costs.verify.sizes,
+                                                                       verifier.costs.verify.costs)},
+                    "draft": {int(n): 1e3 * float(c) for n, c in zip(verifier.costs.draft.sizes,
+                                                                      verifier.costs.draft.costs)}}
             rows.append(row)
             print({k: row[k] for k in ("config", "concurrency", "per_user_tok_s", "aggregate_tok_s",
                                        "mean_acceptance_length", "identical_to_no_spec")}, flush=True)

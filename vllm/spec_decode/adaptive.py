@@ -125,6 +125,7 @@ class AdaptiveVerifier:
     def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int) -> None:
         self.confidences, self.costs, self.max_total_logits = confidences, costs, max_total_logits
         self.last_budget: int | None = None  # for tests and logs
+        self.num_offered = self.num_kept = 0  # drafts scheduled in all-verify steps, and those the budgets kept
         self._full: torch.Tensor | None = None  # K drafts per row, for steps where every row has all K
 
     def _full_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -141,6 +142,8 @@ class AdaptiveVerifier:
         survivals = np.cumprod(host_conf, axis=1)[np.arange(K)[None, :] < drafts[:, None]]
         budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
         self.last_budget = budget
+        self.num_offered += int(drafts.sum())
+        self.num_kept += budget
         if budget == drafts.sum():
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         host = [1 + c for c in even_split(budget, drafts)]
