@@ -105,6 +105,8 @@ def test_trim_on_device_recuts_every_per_token_buffer():
     assert common.slot_mapping.tolist() == [slots[i] for i in keep]
     assert common.seq_lens.tolist() == [s - (4 - n) for s, n in zip(seq_lens, device)]
     assert common.seq_lens_cpu.tolist() == seq_lens  # the host keeps the scheduled lengths as an upper bound
+    # The pinned host buffer still holds the scheduled offsets: its copy to the device may not have run yet.
+    assert batch.query_start_loc.np[:4].tolist() == [0, 4, 8, 12]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -158,3 +160,48 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     assert all(sum(h) == sum(d) and all(1 <= n <= 4 for n in h + d) for h, d in calls)
     assert any(h == [3, 3] and d in ([4, 2], [2, 4]) for h, d in calls), calls
     llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_a_step_scheduled_over_a_verify_step_in_flight_is_placed_on_the_device():
+    """Async scheduling with device drafts: the host places each row after every draft in flight; the device
+    takes the first token from the verified tokens, the drafts from the drafter, and moves the row back by the
+    rejected drafts (positions, seq_lens, slot mapping, accepted counts)."""
+    from vllm.config import SchedulerConfig
+    from vllm.core.kv_cache_manager import KVCacheManager
+    from vllm.core.request import Request
+    from vllm.core.scheduler import Scheduler
+    from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
+    from vllm.worker.input_batch import InFlightStep, InputBatch
+    K, bs = 3, 4
+    kv = KVCacheManager(64, bs, 1 + 2 * (1 + K), needs_blocks=True, needs_slots=True, slots_per_request=1 + K)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv, K)
+    reqs = [Request(r, list(range(5, 5 + n)), SamplingParams(max_tokens=20), 20, speculate=True)
+            for r, n in (("a", 6), ("b", 9))]
+    for r in reqs:
+        sched.add_request(r)
+    sched.update_from_output(sched.schedule(), {"a": [200], "b": [201]})
+    batch = InputBatch(2, 32, 16, bs, torch.device("cpu"), slots_per_request=1 + K)
+    for r in reqs:
+        r.spec_token_ids = [DEVICE_DRAFT_TOKEN_ID] * K
+    first = sched.schedule()  # a: [200 @ 6, 3 drafts], b: [201 @ 9, 3 drafts]
+    batch.prepare(first, kv, InFlightStep(drafts=torch.tensor([[1, 2, 3], [4, 5, 6]]), draft_rows={"a": 0, "b": 1}))
+    assert batch.input_ids.gpu[:8].tolist() == [200, 1, 2, 3, 201, 4, 5, 6]
+    assert batch.draft_ids.gpu[:8].tolist() == [200, 1, 2, 3, 201, 4, 5, 6]
+    for r in reqs:  # the first step is still in flight: its results are not back
+        r.spec_token_ids = [DEVICE_DRAFT_TOKEN_ID] * K
+    second = sched.schedule()
+    assert [(s.num_computed_tokens, s.num_spec_in_flight) for s in second.scheduled] == [(10, 3), (13, 3)]
+    # a kept one draft and emitted [1, 9]; b kept all three and emitted [4, 5, 6, 7].
+    step = InFlightStep(verified=torch.tensor([[1, 9, -1, -1], [4, 5, 6, 7]]), verify_rows={"a": 0, "b": 1},
+                        drafts=torch.tensor([[11, 12, 13], [14, 15, 16]]), draft_rows={"a": 0, "b": 1})
+    common = batch.prepare(second, kv, step)
+    assert batch.input_ids.gpu[:8].tolist() == [9, 11, 12, 13, 7, 14, 15, 16]
+    positions = batch.positions.gpu[:8].tolist()
+    assert positions == [8, 9, 10, 11, 13, 14, 15, 16]
+    assert common.seq_lens.tolist() == [12, 17] and common.seq_lens_cpu.tolist() == [14, 17]
+    assert common.num_accepted_tokens.tolist() == [2, 4]
+    table = batch.block_table.gpu
+    rows = [0] * 4 + [1] * 4
+    assert common.slot_mapping.tolist() == [int(table[r, p // bs]) * bs + p % bs for r, p in zip(rows, positions)]
+    sched.update_from_output(first, {"a": [1, 9], "b": [4, 5, 6, 7]})
+    assert [(r.num_computed_tokens, r.num_spec_in_flight) for r in reqs] == [(12, 3), (17, 3)]
