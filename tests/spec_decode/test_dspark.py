@@ -92,6 +92,31 @@ def test_context_is_read_through_the_block_table_and_only_below_the_anchor(draft
     assert not torch.equal(_propose(draft, target, [42], [8], table_c, 10)[0], alone), "context is read"
 
 
+def test_the_served_rope_table_gives_the_computed_angles(draft):
+    """Serving reads RoPE's cos and sin from a table built once; training computes them: the same drafts and
+    confidences either way, bit for bit, for positions anywhere in the table."""
+    target = load_model(DEFAULT_MODEL_DIR, "float32")
+    gen = torch.Generator().manual_seed(3)
+    bs = _bind(draft)
+    n_ctx = len(draft.config.target_layer_ids) * target.config.hidden_size
+    pos = torch.arange(12)
+    draft.write_context(torch.randn(12, n_ctx, generator=gen), pos, pos)
+    table = torch.arange(4, dtype=torch.int32)[None].repeat(2, 1)
+    args = ([42, 7], [11, 5], table, 12)
+    computed = _propose(draft, target, *args)
+    draft.build_rope_table(16 + 4, "cpu")
+    try:
+        with torch.inference_mode():
+            served = _propose(draft, target, *args)
+            draft.layers[0].self_attn.rope_table[1].zero_()  # the table is what serving reads: a wrong one shows
+            assert not torch.equal(_propose(draft, target, *args)[1], served[1])
+    finally:
+        for layer in draft.layers:
+            layer.self_attn.rope_table = None
+    assert torch.equal(computed[0], served[0]) and torch.equal(computed[1], served[1])
+    assert bs * table.shape[1] <= 16
+
+
 def test_captured_hidden_states_are_the_stream_after_each_layer(tmp_path):
     """Plain residual stacks and AttnRes stacks: the buffer holds the stream after each chosen layer; after
     the last layer of a plain stack that is the forward's own output."""

@@ -70,6 +70,8 @@ class DSparkProposer:
         cfg, weight = self.draft.config, self.target.model.embed_tokens.weight
         self.draft.bind_caches([torch.zeros(num_blocks + 1, block_size, cfg.mla_cache_dim, dtype=weight.dtype,
                                             device=weight.device) for _ in range(cfg.num_hidden_layers)])
+        # Every position a block table reaches, and a draft block's K - 1 positions past the last one.
+        self.draft.build_rope_table(self.block_table.shape[1] * block_size + self.num_spec, weight.device)
 
     def write_context(self, num_tokens: int, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.draft.write_context(self.context[:num_tokens], positions[:num_tokens], slot_mapping[:num_tokens])

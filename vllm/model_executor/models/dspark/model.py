@@ -12,9 +12,11 @@ plus the Markov head's low-rank bias `markov_head.w2(markov_head.w1[prev_i])` (p
 token drafted at i-1), drafted left to right. The confidence head, sigmoid of a float32 linear map of
 [hidden_i ; markov_head.w1[prev_i]], estimates that draft i is accepted if the drafts before it were.
 
-This is the torch form (eager, any device); the batch is padded to the longest context of the step. Norms take
-their torch form (`forward_native`) so that the same modules train (vllm.tools.train_dspark): the fused norm
-kernel has no backward, and the draft's tensors are small.
+This is the torch form (eager, any device); the batch is padded to the longest context of the step. The same
+modules train (vllm.tools.train_dspark): while gradients are on, norms take their torch form (`forward_native`;
+the fused norm kernel has no backward) and RoPE computes its angles; serving (no gradients) takes the fused norm
+(one launch where the torch form is six) and a table of the angles' cos and sin (`build_rope_table`): a step is
+a few hundred launches of tiny kernels, so each one saved counts.
 """
 from __future__ import annotations
 
@@ -29,15 +31,33 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.dspark.config import DSparkConfig
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, rotate-half form, over the last dim of x [..., R] at `positions` (x's leading shape
-    without its last dim, or broadcastable to it)."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., rotary_dim / 2] of the rotary angles at `positions`, in float32."""
+    half = rotary_dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.float()[..., None] * inv_freq
-    cos, sin = angles.cos(), angles.sin()
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+         table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rotary embedding, rotate-half form, over the last dim of x [..., R] at `positions` (x's leading shape
+    without its last dim, or broadcastable to it). `table`: rope_angles over positions 0..n-1, read instead of
+    computing the angles (the same values)."""
+    half = x.shape[-1] // 2
+    if table is None:
+        cos, sin = rope_angles(positions, x.shape[-1], theta)
+    else:
+        # Clamped: a padding row's garbage position must not index out of the table (a device-side assert).
+        at = positions.clamp(0, table[0].shape[0] - 1)
+        cos, sin = table[0][at], table[1][at]
     x1, x2 = x.float()[..., :half], x.float()[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The fused norm when nothing trains, else the torch form, which has a backward."""
+    return norm.forward_native(x) if torch.is_grad_enabled() else norm(x)
 
 
 class DSparkAttention(nn.Module):
@@ -56,12 +76,15 @@ class DSparkAttention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, mla_cache_dim], bound by the runner
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # DSparkDraftModel.build_rope_table
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rope(x, positions, self.config.rope_theta, None if torch.is_grad_enabled() else self.rope_table)
 
     def latent(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The cached form of kv_a_proj_with_mqa's output [..., L + R]: normalised c_kv, rotated k_rope."""
         c_kv, k_rope = kv_a.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm.forward_native(c_kv), rope(k_rope, positions, self.config.rope_theta)],
-                         dim=-1)
+        return torch.cat([_norm(self.kv_a_layernorm, c_kv), self._rope(k_rope, positions)], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
@@ -70,8 +93,8 @@ class DSparkAttention(nn.Module):
         cfg, H = self.config, self.num_heads
         N, Q, _ = x.shape
         nope, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q = self.q_b_proj(self.q_a_layernorm.forward_native(self.q_a_proj(x))).view(N, Q, H, nope + r)
-        q = torch.cat([q[..., :nope], rope(q[..., nope:], positions[..., None], cfg.rope_theta)], dim=-1)
+        q = self.q_b_proj(_norm(self.q_a_layernorm, self.q_a_proj(x))).view(N, Q, H, nope + r)
+        q = torch.cat([q[..., :nope], self._rope(q[..., nope:], positions[..., None])], dim=-1)
         keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), positions)], dim=1)  # [N, C+Q, L+R]
         c_kv, k_rope = keys.split([cfg.kv_lora_rank, r], dim=-1)
         k_nope, v = self.kv_b_proj(c_kv).view(N, -1, H, nope + vd).split([nope, vd], dim=-1)
@@ -133,6 +156,14 @@ class DSparkDraftModel(nn.Module):
         if hasattr(self, "confidence_head"):
             self.confidence_head.float()
 
+    def build_rope_table(self, num_positions: int, device: torch.device) -> None:
+        """The rotary angles' cos and sin at positions 0..num_positions-1, which serving reads instead of computing
+        them at every call (shared by the layers: they have one RoPE width and base)."""
+        cfg = self.config
+        table = rope_angles(torch.arange(num_positions, device=device), cfg.qk_rope_head_dim, cfg.rope_theta)
+        for layer in self.layers:
+            layer.self_attn.rope_table = table
+
     def bind_caches(self, caches: list[torch.Tensor]) -> None:
         """One [num_blocks, block_size, L + R] cache per layer; its last slot is scratch for padding rows, so the
         last block must be one the block tables never hand out."""
@@ -141,7 +172,7 @@ class DSparkDraftModel(nn.Module):
 
     def context_latents(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's cached latents [..., L + R] of context tokens [..., n_layers * D_target] at positions."""
-        c = self.context_norm.forward_native(self.context_proj(target_hidden))
+        c = _norm(self.context_norm, self.context_proj(target_hidden))
         parts = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
         return [layer.self_attn.latent(part, positions) for layer, part in zip(self.layers, parts)]
 
@@ -168,9 +199,9 @@ class DSparkDraftModel(nn.Module):
         """Final-normed hidden states [N, Q, D] of block tokens x [N, Q, D]; contexts: each layer's [N, C, L + R]
         latents; mask [N, Q, C + Q] (see DSparkAttention.forward)."""
         for layer, context in zip(self.layers, contexts):
-            x = x + layer.self_attn(layer.input_layernorm.forward_native(x), positions, context.to(x.dtype), mask)
-            x = x + layer.mlp(layer.post_attention_layernorm.forward_native(x))
-        return self.norm.forward_native(x)
+            x = x + layer.self_attn(_norm(layer.input_layernorm, x), positions, context.to(x.dtype), mask)
+            x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
+        return _norm(self.norm, x)
 
     def markov_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Float32 logits: the lm_head's `base` plus the Markov bias of the previous tokens `prev`."""
