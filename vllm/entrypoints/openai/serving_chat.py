@@ -42,6 +42,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_logprobs("top_logprobs", req.top_logprobs if req.logprobs else None)
+        self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         tools = self.settings.tools
         try:
             mode, name = tool_choice_mode([t.model_dump() for t in req.tools or []], req.tool_choice)
