@@ -1,7 +1,8 @@
 """Behaviour that upstream vLLM's own OpenAI-server tests check, rewritten in our words against `vllm serve`
-(see benchmarks/upstream_server_tests/README.md for the measurement that found these): an empty `model`, the
---max-logprobs limit, the seed's range and the error type in messages, /tokenize's token_strs, upstream's prompt
-error texts, the key behind --root-path, and the metrics upstream's dashboards read."""
+(benchmarks/upstream_server_tests/README.md tells of the measurement that found these): an empty `model`, the
+--max-logprobs limit, the seed's range and the error type in messages, prompt_logprobs as a key of every answer,
+/tokenize's token_strs, upstream's prompt error texts, the key behind --root-path, and the metrics upstream's
+dashboards read."""
 from __future__ import annotations
 
 import httpx
@@ -59,6 +60,17 @@ def test_seed_is_a_signed_64_bit_integer(http, seed, error_type):
     edge = 2**63 - 1 if seed > 0 else -(2**63)
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
                                                    "seed": edge}).status_code == 200
+
+
+def test_prompt_logprobs_is_null_unless_asked_for(http):
+    """Clients read `prompt_logprobs` off every answer (the openai client raises on a missing attribute)."""
+    completion = http.post("/v1/completions", json={"prompt": [PROMPT, PROMPT], "max_tokens": 2}).json()
+    assert [c["prompt_logprobs"] for c in completion["choices"]] == [None, None]
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+    asked = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                    "prompt_logprobs": 1}).json()
+    assert asked["prompt_logprobs"][0] is None and len(asked["prompt_logprobs"]) > 1
 
 
 def test_tokenize_always_has_token_strs(http):

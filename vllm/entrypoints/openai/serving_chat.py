@@ -113,8 +113,9 @@ class OpenAIServingChat(OpenAIServing):
                 "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
         if req.return_token_ids:
             body["prompt_token_ids"] = last.prompt_token_ids
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs)
+        # prompt_logprobs is always a key (null unless asked for), as in upstream's responses.
+        body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs) if req.prompt_logprobs is not None \
+            else None
         return JSONResponse(body)
 
     async def stream(self, req: ChatCompletionRequest, outputs, base: dict, parsers: list[ChoiceParser]):

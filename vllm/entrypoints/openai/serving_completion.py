@@ -106,10 +106,11 @@ class _Run:
                     text = self.prompt_text(out) + text
                     ids = out.prompt_token_ids + ids
                     lps = (out.prompt_logprobs or []) + (lps or []) if lps is not None else None
+                # prompt_logprobs is always a key (null unless asked for), as in upstream's choices.
                 choices.append({"index": self.index(i, c), "text": text,
                                 "logprobs": self.logprobs(ids, lps, 0) if lps is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                **self.extras(out, c, True)})
+                                "prompt_logprobs": None, **self.extras(out, c, True)})
         choices.sort(key=lambda ch: ch["index"])
         return JSONResponse({**self.base, "choices": choices, "usage": self.usage()})
 
