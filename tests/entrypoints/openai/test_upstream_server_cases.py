@@ -1,11 +1,14 @@
 """Behaviour that upstream vLLM's own OpenAI-server tests check, rewritten in our words against `vllm serve`
 (benchmarks/upstream_server_tests/README.md tells of the measurement that found these): an empty `model`, the
---max-logprobs limit, the seed's range and the error type in messages, prompt_logprobs as a key of every answer,
-/tokenize's token_strs, upstream's prompt error texts, the key behind --root-path, and the metrics upstream's
-dashboards read."""
+--max-logprobs limit, the seed's range and the error type in messages, the keys of whole answers (prompt_logprobs
+and OpenAI's empty fields), continuous usage only with usage, /tokenize's token_strs, upstream's prompt error
+texts, the key behind --root-path, and the metrics upstream's dashboards read."""
 from __future__ import annotations
 
+import json
+
 import httpx
+import openai
 import pytest
 
 from vllm.version import _prev_minor_version, _prev_minor_version_was
@@ -71,6 +74,37 @@ def test_prompt_logprobs_is_null_unless_asked_for(http):
     asked = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
                                                     "prompt_logprobs": 1}).json()
     assert asked["prompt_logprobs"][0] is None and len(asked["prompt_logprobs"]) > 1
+
+
+def test_whole_answers_have_the_keys_of_the_openai_clients_models(server, http):
+    """What the openai client parses equals the raw JSON: no key of OpenAI's models is missing (upstream's
+    /invocations tests compare the two), the empty ones null (tool_calls an empty list)."""
+    client = openai.OpenAI(base_url=server.url + "/llm/v1", api_key=KEY)
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    parsed = client.completions.create(model="kimi-tiny", **body).model_dump()
+    raw = http.post("/v1/completions", json=body).json()
+    assert parsed.keys() == raw.keys() and parsed["choices"][0].keys() == raw["choices"][0].keys()
+    assert raw["system_fingerprint"] is None
+    body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    parsed = client.chat.completions.create(model="kimi-tiny", **body).model_dump()
+    raw = http.post("/v1/chat/completions", json=body).json()
+    assert parsed["choices"] == raw["choices"]
+    assert raw["service_tier"] is None and raw["system_fingerprint"] is None
+    message = raw["choices"][0]["message"]
+    assert message["tool_calls"] == [] and message["refusal"] is None and message["function_call"] is None
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": PROMPT}),
+                                        ("/v1/chat/completions", {"messages": MESSAGES})])
+def test_continuous_usage_only_adds_to_included_usage(http, path, body):
+    """As upstream: continuous_usage_stats without include_usage sends no usage at all."""
+    def chunks(options):
+        with http.stream("POST", path, json={**body, "max_tokens": 3, "stream": True,
+                                             "stream_options": options}) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(c.get("usage") is None for c in chunks({"include_usage": False, "continuous_usage_stats": True}))
+    both = chunks({"include_usage": True, "continuous_usage_stats": True})
+    assert all(c["usage"]["total_tokens"] > 0 for c in both) and both[-1]["choices"] == []
 
 
 def test_tokenize_always_has_token_strs(http):

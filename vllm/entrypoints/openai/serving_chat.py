@@ -18,6 +18,9 @@ from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResp
 from vllm.outputs import Logprob, OutputJoiner
 
 ROLE = "assistant"  # the role of every answer
+# The keys of OpenAI's chat message that this server never fills: present and empty, as in upstream's answers,
+# so that a client's parsed model and the raw JSON hold the same keys.
+EMPTY_MESSAGE_FIELDS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": []}
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the answer's thinking
 
 
@@ -103,14 +106,15 @@ class OpenAIServingChat(OpenAIServing):
                     message["content"] = echo + (message["content"] or "")
                 if "tool_calls" in message and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            choice = {"index": c.index, "message": message,
+            choice = {"index": c.index, "message": {**EMPTY_MESSAGE_FIELDS, **message},
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
                       "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         body = {**base, "object": "chat.completion", "choices": choices,
-                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
+                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)),
+                "service_tier": None, "system_fingerprint": None}  # OpenAI's, null as in upstream's answers
         if req.return_token_ids:
             body["prompt_token_ids"] = last.prompt_token_ids
         # prompt_logprobs is always a key (null unless asked for), as in upstream's responses.

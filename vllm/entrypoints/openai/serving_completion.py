@@ -112,7 +112,8 @@ class _Run:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                 "prompt_logprobs": None, **self.extras(out, c, True)})
         choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({**self.base, "choices": choices, "usage": self.usage()})
+        # system_fingerprint: OpenAI's field, null as upstream's, so the body has every key clients' models have.
+        return JSONResponse({**self.base, "choices": choices, "usage": self.usage(), "system_fingerprint": None})
 
     async def stream(self, outputs):
         started: set[int] = set()  # choices that have had a chunk (the echo goes with the first)

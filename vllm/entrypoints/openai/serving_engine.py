@@ -158,9 +158,9 @@ class OpenAIServing:
     def include_usage(self, req) -> tuple[bool, bool]:
         """(usage at the end of the stream, usage in every chunk) for a streaming request."""
         opts = req.stream_options
-        continuous = bool(opts and opts.continuous_usage_stats)
-        return bool(opts and opts.include_usage) or self.settings.enable_force_include_usage or continuous, \
-            continuous
+        final = bool(opts and opts.include_usage) or self.settings.enable_force_include_usage
+        # As upstream: continuous_usage_stats only adds to usage that is included at all.
+        return final, final and bool(opts and opts.continuous_usage_stats)
 
     def token_label(self, req, tid: int, text: str) -> str:
         """A logprob entry's token: its text, or "token_id:N" (--return-tokens-as-token-ids, or the field)."""
