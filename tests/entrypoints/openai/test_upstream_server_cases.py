@@ -107,6 +107,17 @@ def test_continuous_usage_only_adds_to_included_usage(http, path, body):
     assert all(c["usage"]["total_tokens"] > 0 for c in both) and both[-1]["choices"] == []
 
 
+def test_tokenize_add_special_tokens_defaults_by_input(http):
+    """The BOS is added to a prompt unless turned off, and to messages (rendered by the chat template, which
+    writes its own markers) only when asked for."""
+    bos = http.post("/tokenize", json={"prompt": "x"}).json()["tokens"][0]
+    assert http.post("/tokenize", json={"prompt": "x", "add_special_tokens": False}).json()["tokens"][0] != bos
+    plain = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert plain[0] != bos
+    assert http.post("/tokenize", json={"messages": MESSAGES, "add_special_tokens": True}).json()["tokens"] == \
+        [bos, *plain]
+
+
 def test_tokenize_always_has_token_strs(http):
     plain = http.post("/tokenize", json={"prompt": PROMPT}).json()
     assert "token_strs" in plain and plain["token_strs"] is None
@@ -157,3 +168,13 @@ def test_prev_minor_version():
     assert _prev_minor_version() == "0.0"
     assert _prev_minor_version_was("0.0") and _prev_minor_version_was("0.0.3")
     assert not _prev_minor_version_was("0.1") and not _prev_minor_version_was("0.10")
+
+
+def test_get_tokenizer_takes_upstreams_fast_mode():
+    """Upstream's tests load their reference tokenizer with tokenizer_mode="fast": the same as "auto" here."""
+    import vllm
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+    path = f"{vllm.__path__[0]}/assets/default_model"
+    assert get_tokenizer(path, tokenizer_mode="fast").encode(PROMPT) == get_tokenizer(path).encode(PROMPT)
+    with pytest.raises(ValueError, match="expected auto, hf, slow or fast"):
+        get_tokenizer(path, tokenizer_mode="mistral")

@@ -274,8 +274,14 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         req = await parse_body(request, TokenizeRequest, limit)
         completion.check_model(req.model)
         # In a worker thread: tokenizing a long prompt must not stall the event loop (and /health with it).
-        ids = await (asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-                     if req.prompt is not None else chat.prompt_ids(req))
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens is not False)
+        elif req.add_special_tokens:  # the rendered conversation, with the tokenizer's BOS as well
+            ids = await asyncio.to_thread(engine.tokenizer.encode, await chat.prompt_ids(req, tokenize=False),
+                                          add_special_tokens=True)
+        else:
+            ids = await chat.prompt_ids(req)
         # token_strs is always there (null unless asked for), as upstream's response has it.
         return {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids,
                 "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}

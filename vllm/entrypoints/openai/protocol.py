@@ -271,7 +271,9 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # The tokenizer's special tokens (BOS) around the text: by default on for a prompt and off for messages (the
+    # chat template writes its own), as upstream's /tokenize does.
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -25,10 +25,10 @@ PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the an
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree; rendered and
-        tokenized in a worker thread, off the event loop. The request's template beats --chat-template, which
-        beats the tokenizer's own."""
+    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, tokenize: bool = True) -> list[int] | str:
+        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree (with tokenize=False
+        the rendered text instead); rendered and tokenized in a worker thread, off the event loop. The request's
+        template beats --chat-template, which beats the tokenizer's own."""
         conversation = [m.model_dump(exclude_none=True) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:  # the template renders them (transformers' `tools` argument)
@@ -37,10 +37,12 @@ class OpenAIServingChat(OpenAIServing):
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, conversation,
                                           add_generation_prompt=req.add_generation_prompt,
-                                          continue_final_message=req.continue_final_message, tokenize=True,
+                                          continue_final_message=req.continue_final_message, tokenize=tokenize,
                                           chat_template=template, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is about these messages
             raise APIError(400, f"messages could not be rendered by the chat template: {e}", "messages") from None
+        if not tokenize:
+            return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
