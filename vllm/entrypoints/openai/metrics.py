@@ -60,7 +60,8 @@ class _EngineCollector:
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
         if s.iteration_tokens is not None:
-            h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.",
+            h = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                      "Prompt tokens computed plus tokens generated, per engine step.",
                                       labels=list(self.labels))
             h.add_metric(list(self.labels.values()), s.iteration_tokens.cumulative(), s.iteration_tokens.total)
             yield h
