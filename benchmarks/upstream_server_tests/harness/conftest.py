@@ -10,6 +10,7 @@ import tempfile
 import huggingface_hub
 import pytest
 
+
 def _builtin_tokenizer_dir():
     import vllm
     return os.path.join(os.path.dirname(vllm.__file__), "assets", "default_model")
@@ -20,6 +21,7 @@ HUB_NAMES = {"HuggingFaceH4/zephyr-7b-beta", "TinyLlama/TinyLlama-1.1B-Chat-v1.0
 
 
 def _patch():
+    """Runs when pytest loads this conftest, before the test modules import get_tokenizer by name."""
     import transformers
     import vllm.transformers_utils.tokenizer as vt
 
