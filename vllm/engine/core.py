@@ -129,7 +129,10 @@ class EngineCore:
         seconds = time.perf_counter() - start
         if self.engine.last_scheduled is not self._counted:  # a step ran (one with nothing scheduled sets none)
             self._counted = self.engine.last_scheduled
-            self.iteration_tokens.observe(sum(s.num_tokens for s in self._counted.scheduled))
+            # Upstream's count: prompt tokens computed plus tokens generated, so a prompt's last chunk counts its
+            # first output token as well (a decode row's fed-back token stands for the one it generates).
+            self.iteration_tokens.observe(sum(s.num_tokens + (s.is_prefilling and s.samples)
+                                              for s in self._counted.scheduled))
         mean = self.mean_step_s
         self.mean_step_s = seconds if mean is None else 0.95 * mean + 0.05 * seconds
         if (mean is not None and seconds >= max(SLOW_STEP_S, SLOW_STEP_OVER_MEAN * mean)

@@ -25,8 +25,9 @@ def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", t
     itself with its own guess of the pre-tokenizer pattern)."""
     if revision is not None:
         raise ValueError(f"revision={revision!r}: tokenizers load from local directories only")
-    if tokenizer_mode not in ("auto", "hf", "slow"):
-        raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported; expected auto")
+    # "fast" is what "auto" loads; upstream's loader lets it through as the same (its tests pass it).
+    if tokenizer_mode not in ("auto", "hf", "slow", "fast"):
+        raise ValueError(f"tokenizer_mode={tokenizer_mode!r} is not supported; expected auto, hf, slow or fast")
     path = Path(tokenizer_name)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointNotFoundError(f"no tokenizer in {path}: expected tokenizer.json or tokenizer_config.json "

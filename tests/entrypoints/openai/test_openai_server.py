@@ -170,10 +170,11 @@ def test_metrics_parse_and_move(server, client, read_metrics):
     assert after["vllm:request_generation_tokens_sum"] == before["vllm:request_generation_tokens_sum"] + 5
     assert after["vllm:request_params_max_tokens_sum"] == before["vllm:request_params_max_tokens_sum"] + 5
     assert after["vllm:time_per_output_token_seconds_count"] == before["vllm:time_per_output_token_seconds_count"] + 1
-    # Engine steps: a prefill of the prompt and 4 decode steps (the 5th token comes from the prefill).
+    # Engine steps: a prefill of the prompt and 4 decode steps (the 5th token comes from the prefill); as upstream
+    # counts them, the prompt's tokens plus the 5 generated ones.
     assert after["vllm:iteration_tokens_total_count"] == before["vllm:iteration_tokens_total_count"] + 5
     assert after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"] == \
-        after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] + 4
+        after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] + 5
     assert after["vllm:cache_config_info"] == 1 and "vllm:num_preemptions_total" in after
 
 

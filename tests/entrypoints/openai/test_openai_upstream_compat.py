@@ -26,7 +26,8 @@ def server(start_server, tmp_path_factory):
     return start_server("--served-model-name", "kimi-tiny", "--chat-template", str(template),
                         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
                         "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "-tp", "1",
-                        "--enable-prefix-caching", "--disable-log-stats", "--dtype", "float", "--root-path", "/proxy")
+                        "--enable-prefix-caching", "--disable-log-stats", "--dtype", "float", "--root-path", "/proxy",
+                        "--max-logprobs", "-1")  # -1 lifts the limit, so the whole vocabulary may be asked for
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 from pathlib import Path
 
 from vllm.engine.arg_compat import IGNORED, UNSUPPORTED, UpstreamArg, add_upstream_args, check_upstream_args
 from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import MAX_LOGPROBS
 
 API_KEY_ENV = "VLLM_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -49,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load: the number of /v1 requests in flight")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="GET /tokenizer_info")
+    p.add_argument("--show-hidden-metrics-for-version", default=None, metavar="VERSION",
+                   help="the previous minor version (e.g. 0.0): /metrics also shows the metrics deprecated since "
+                        "(vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_queries, vllm:gpu_prefix_cache_hits)")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per request")
     p.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc nor /openapi.json")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -110,6 +115,13 @@ def run(args: argparse.Namespace) -> int:
                          get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None,
                          get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None)
     chat_template = read_chat_template(args.chat_template)
+    show_hidden_metrics = show_hidden_metrics_for(args.show_hidden_metrics_for_version)
+    # --max-logprobs bounds what requests may ask for (-1, the whole vocabulary, only where it allows that many);
+    # the server honours it, so the engine's check of upstream flags must not call it ignored.
+    max_logprobs = MAX_LOGPROBS if args.max_logprobs is None else args.max_logprobs
+    if max_logprobs < -1:
+        raise ValueError(f"--max-logprobs={max_logprobs} is invalid: expected -1 (no limit) or a count >= 0")
+    args.max_logprobs = None
     # The port first: a port in use is reported in a second, not after the model has loaded.
     sock = bind_socket(args.host, args.port)
     # Heavy imports only once the arguments are known to be good (`vllm --help` stays fast).
@@ -129,10 +141,24 @@ def run(args: argparse.Namespace) -> int:
                               enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                               shutdown_timeout_s=args.shutdown_timeout, root_path=args.root_path,
                               access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs,
-                              tools=tools)
+                              tools=tools, show_hidden_metrics=show_hidden_metrics, max_logprobs=max_logprobs)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         return run_server(engine, settings, sock, args.uvicorn_log_level)
+
+
+def show_hidden_metrics_for(version: str | None) -> bool:
+    """--show-hidden-metrics-for-version: as upstream, only the previous minor version shows the hidden metrics;
+    another version shows none, with a warning saying which one would."""
+    if version is None:
+        return False
+    from vllm.version import __version__, _prev_minor_version, _prev_minor_version_was
+    if _prev_minor_version_was(version):
+        return True
+    logging.getLogger(__name__).warning(
+        "--show-hidden-metrics-for-version=%s shows nothing: this is vllm %s, whose hidden metrics were deprecated "
+        "in %s (pass that to show them)", version, __version__, _prev_minor_version())
+    return False
 
 
 def read_chat_template(value: str | None) -> str | None:

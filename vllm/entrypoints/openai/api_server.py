@@ -116,7 +116,7 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         error = self.check(scope) if scope["type"] == "http" else None
         if error is None:
-            if not (self.settings.enable_server_load_tracking and scope["path"].startswith("/v1/")):
+            if not (self.settings.enable_server_load_tracking and self.route_path(scope).startswith("/v1/")):
                 return await self.app(scope, receive, send)
             state = scope["app"].state  # Starlette puts the app in the scope before its middleware runs
             state.server_load += 1
@@ -132,12 +132,19 @@ class Guard:
                 more = msg.get("more_body", False) and msg["type"] == "http.request"
         await JSONResponse(error.body(), error.status)(scope, receive, send)
 
+    def route_path(self, scope) -> str:
+        """The path the routes see: a request through --root-path's prefix (/llm/v1/...) is still /v1/..., so
+        the key and the other /v1 rules apply to it as well."""
+        path, root = scope["path"], self.settings.root_path.rstrip("/")
+        return path[len(root):] if root and path.startswith(root + "/") else path
+
     def check(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
-        if scope["path"].startswith("/v1") and scope["app"].state.draining:
+        path = self.route_path(scope)
+        if path.startswith("/v1") and scope["app"].state.draining:
             return APIError(503, "the server is shutting down and takes no new requests")
         # A CORS preflight (OPTIONS) carries no credentials by design; the CORS middleware answers it.
-        if self.expected is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.expected is not None and path.startswith("/v1") and scope["method"] != "OPTIONS":
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
@@ -149,7 +156,7 @@ class Guard:
 
 
 def build_app(engine, settings: ServerSettings) -> FastAPI:
-    metrics = Metrics(engine, settings.served_model_names[0])
+    metrics = Metrics(engine, settings.served_model_names[0], settings.show_hidden_metrics)
     completion = OpenAIServingCompletion(engine, settings, metrics)
     chat = OpenAIServingChat(engine, settings, metrics)
     limit = settings.max_body_bytes
@@ -267,12 +274,17 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         req = await parse_body(request, TokenizeRequest, limit)
         completion.check_model(req.model)
         # In a worker thread: tokenizing a long prompt must not stall the event loop (and /health with it).
-        ids = await (asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-                     if req.prompt is not None else chat.prompt_ids(req))
-        body = {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return body
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens is not False)
+        elif req.add_special_tokens:  # the rendered conversation, with the tokenizer's BOS as well
+            ids = await asyncio.to_thread(engine.tokenizer.encode, await chat.prompt_ids(req, tokenize=False),
+                                          add_special_tokens=True)
+        else:
+            ids = await chat.prompt_ids(req)
+        # token_strs is always there (null unless asked for), as upstream's response has it.
+        return {"count": len(ids), "max_model_len": mc.max_model_len, "tokens": ids,
+                "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:

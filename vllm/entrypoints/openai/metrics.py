@@ -19,8 +19,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str) -> None:
-        self.engine, self.labels = engine, {"model_name": model_name}
+    def __init__(self, engine, model_name: str, show_hidden: bool = False) -> None:
+        self.engine, self.labels, self.show_hidden = engine, {"model_name": model_name}, show_hidden
 
     def cache_info(self, s) -> dict[str, str]:
         cc = self.engine.config.cache_config
@@ -37,11 +37,20 @@ class _EngineCollector:
                    s.state_slot_usage),
                   ("vllm:num_free_blocks", "Free MLA cache blocks.", s.num_free_blocks),
                   ("vllm:num_free_state_slots", "Free KDA recurrent-state slots.", s.num_free_slots)]
+        # There is no prefix cache, so nothing is ever looked up in it: upstream's dashboards still find the names.
+        no_prefix_cache = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (none: "
+                            "prefix caching is not built).", 0),
+                           ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (none).", 0)]
+        if self.show_hidden:  # --show-hidden-metrics-for-version: upstream's deprecated names, same values
+            gauges.append(("vllm:gpu_cache_usage_perc", "Deprecated: vllm:kv_cache_usage_perc.", s.kv_cache_usage))
+            no_prefix_cache += [("vllm:gpu_prefix_cache_queries", "Deprecated: vllm:prefix_cache_queries.", 0),
+                                ("vllm:gpu_prefix_cache_hits", "Deprecated: vllm:prefix_cache_hits.", 0)]
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         counters = [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
                     ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total),
-                    ("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions_total)]
+                    ("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions_total),
+                    *no_prefix_cache]
         spec = s.spec_decode
         if spec is not None:
             counters += [("vllm:spec_decode_num_drafts", "Verifications with at least one draft token.",
@@ -51,7 +60,8 @@ class _EngineCollector:
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
         if s.iteration_tokens is not None:
-            h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step.",
+            h = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                      "Prompt tokens computed plus tokens generated, per engine step.",
                                       labels=list(self.labels))
             h.add_metric(list(self.labels.values()), s.iteration_tokens.cumulative(), s.iteration_tokens.total)
             yield h
@@ -76,9 +86,9 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, show_hidden: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, show_hidden))
         label = ["model_name"]
 
         def hist(name, doc):

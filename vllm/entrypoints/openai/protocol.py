@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams
 
-# torch.Generator.manual_seed takes 64 bits, signed or unsigned; n > 1 adds the child index (at most 127).
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1 - 128
+# A request's seed is a signed 64-bit integer, as upstream's schema bounds it (torch.long's range); the engine
+# takes more (n > 1 adds the child index), but clients are held to the range upstream's answers.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 # Known to upstream's schema, and not something this engine can do: a 400 naming the reason.
 UNSUPPORTED_FIELDS = {
     "functions": "function calling is not supported by this server",
@@ -52,8 +53,8 @@ def validation_error(e: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     got = repr(err.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
-    if err["type"] != "value_error":
-        msg += f", got {got}"
+    if err["type"] != "value_error":  # pydantic's error type too, as upstream's messages carry it
+        msg += f", got {got} [type={err['type']}]"
     return APIError(400, f"{param}: {msg}" if param else msg, param)
 
 
@@ -270,7 +271,9 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # The tokenizer's special tokens (BOS) around the text: by default on for a prompt and off for messages (the
+    # chat template writes its own), as upstream's /tokenize does.
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

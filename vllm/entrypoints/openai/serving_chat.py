@@ -18,14 +18,17 @@ from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResp
 from vllm.outputs import Logprob, OutputJoiner
 
 ROLE = "assistant"  # the role of every answer
+# The keys of OpenAI's chat message that this server never fills: present and empty, as in upstream's answers,
+# so that a client's parsed model and the raw JSON hold the same keys.
+EMPTY_MESSAGE_FIELDS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": []}
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the answer's thinking
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree; rendered and
-        tokenized in a worker thread, off the event loop. The request's template beats --chat-template, which
-        beats the tokenizer's own."""
+    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, tokenize: bool = True) -> list[int] | str:
+        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree (with tokenize=False
+        the rendered text instead); rendered and tokenized in a worker thread, off the event loop. The request's
+        template beats --chat-template, which beats the tokenizer's own."""
         conversation = [m.model_dump(exclude_none=True) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:  # the template renders them (transformers' `tools` argument)
@@ -34,14 +37,18 @@ class OpenAIServingChat(OpenAIServing):
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, conversation,
                                           add_generation_prompt=req.add_generation_prompt,
-                                          continue_final_message=req.continue_final_message, tokenize=True,
+                                          continue_final_message=req.continue_final_message, tokenize=tokenize,
                                           chat_template=template, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is about these messages
             raise APIError(400, f"messages could not be rendered by the chat template: {e}", "messages") from None
+        if not tokenize:
+            return ids
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_logprobs("top_logprobs", req.top_logprobs if req.logprobs else None)
+        self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         tools = self.settings.tools
         try:
             mode, name = tool_choice_mode([t.model_dump() for t in req.tools or []], req.tool_choice)
@@ -101,18 +108,20 @@ class OpenAIServingChat(OpenAIServing):
                     message["content"] = echo + (message["content"] or "")
                 if "tool_calls" in message and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            choice = {"index": c.index, "message": message,
+            choice = {"index": c.index, "message": {**EMPTY_MESSAGE_FIELDS, **message},
                       "logprobs": self.logprobs(req, c.token_ids, c.logprobs),
                       "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         body = {**base, "object": "chat.completion", "choices": choices,
-                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs))}
+                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)),
+                "service_tier": None, "system_fingerprint": None}  # OpenAI's, null as in upstream's answers
         if req.return_token_ids:
             body["prompt_token_ids"] = last.prompt_token_ids
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs)
+        # prompt_logprobs is always a key (null unless asked for), as in upstream's responses.
+        body["prompt_logprobs"] = prompt_logprobs_json(last.prompt_logprobs) if req.prompt_logprobs is not None \
+            else None
         return JSONResponse(body)
 
     async def stream(self, req: ChatCompletionRequest, outputs, base: dict, parsers: list[ChoiceParser]):

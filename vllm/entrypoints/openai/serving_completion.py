@@ -17,6 +17,8 @@ from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_logprobs("logprobs", req.logprobs)
+        self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         # With echo, logprobs cover the prompt too, as OpenAI's do.
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         try:
@@ -24,6 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
             beam = req.beam_search_params(req.max_tokens) if req.use_beam_search else None
         except ValueError as e:
             raise self.error(e) from None
+        self.check_prompts(req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompt
         if req.truncate_prompt_tokens is not None:  # the last N tokens of each prompt
@@ -38,6 +41,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:  # bad input raises before the response starts
             return SSEResponse(run.stream(await started(outputs)), self.stall_limit)
         return await until_disconnect(raw, run.full(outputs))
+
+    def check_prompts(self, prompts: list[str] | list[list[int]]) -> None:
+        """The prompt errors upstream answers before the engine sees them, in its words (clients match on them):
+        an empty prompt, and token ids past the vocabulary."""
+        vocab = self.engine.config.model_config.hf_config.vocab_size
+        for i, p in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if len(p) == 0:
+                raise APIError(400, f"{where}: the decoder prompt cannot be empty: give at least one token", "prompt")
+            if isinstance(p, list) and (bad := [t for t in p if not 0 <= t < vocab]):
+                raise APIError(400, f"{where}: token id {bad[0]} is out of vocabulary (ids are in [0, {vocab})); "
+                                    f"out-of-vocabulary ids: {bad[:5]}", "prompt")
 
 
 class _Run:
@@ -91,12 +106,14 @@ class _Run:
                     text = self.prompt_text(out) + text
                     ids = out.prompt_token_ids + ids
                     lps = (out.prompt_logprobs or []) + (lps or []) if lps is not None else None
+                # prompt_logprobs is always a key (null unless asked for), as in upstream's choices.
                 choices.append({"index": self.index(i, c), "text": text,
                                 "logprobs": self.logprobs(ids, lps, 0) if lps is not None else None,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                **self.extras(out, c, True)})
+                                "prompt_logprobs": None, **self.extras(out, c, True)})
         choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({**self.base, "choices": choices, "usage": self.usage()})
+        # system_fingerprint: OpenAI's field, null as upstream's, so the body has every key clients' models have.
+        return JSONResponse({**self.base, "choices": choices, "usage": self.usage(), "system_fingerprint": None})
 
     async def stream(self, outputs):
         started: set[int] = set()  # choices that have had a chunk (the echo goes with the first)

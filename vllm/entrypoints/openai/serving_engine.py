@@ -18,7 +18,7 @@ from vllm.entrypoints.openai.chat_tools import ToolSettings
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
 from vllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
-from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from vllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vllm.entrypoints.openai")
 
@@ -47,6 +47,8 @@ class ServerSettings:
     access_log: bool = True
     docs: bool = True  # FastAPI's /docs, /redoc, /openapi.json
     tools: ToolSettings = ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
+    show_hidden_metrics: bool = False  # --show-hidden-metrics-for-version: the deprecated metric names too
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: -1 (the whole vocabulary) needs it to cover the vocabulary
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -156,9 +158,9 @@ class OpenAIServing:
     def include_usage(self, req) -> tuple[bool, bool]:
         """(usage at the end of the stream, usage in every chunk) for a streaming request."""
         opts = req.stream_options
-        continuous = bool(opts and opts.continuous_usage_stats)
-        return bool(opts and opts.include_usage) or self.settings.enable_force_include_usage or continuous, \
-            continuous
+        final = bool(opts and opts.include_usage) or self.settings.enable_force_include_usage
+        # As upstream: continuous_usage_stats only adds to usage that is included at all.
+        return final, final and bool(opts and opts.continuous_usage_stats)
 
     def token_label(self, req, tid: int, text: str) -> str:
         """A logprob entry's token: its text, or "token_id:N" (--return-tokens-as-token-ids, or the field)."""
@@ -166,8 +168,21 @@ class OpenAIServing:
         return f"token_id:{tid}" if (self.settings.return_tokens_as_token_ids if as_ids is None else as_ids) \
             else text
 
+    def check_logprobs(self, field: str, k: int | None) -> None:
+        """Upstream's --max-logprobs check: -1 asks for the whole vocabulary, which is that many logprobs."""
+        limit = self.settings.max_logprobs
+        if k is None or limit == -1:
+            return
+        vocab = self.engine.config.model_config.hf_config.vocab_size
+        wanted = vocab if k == -1 else k
+        if wanted > limit:
+            what = f"-1 (the whole vocabulary, {vocab} tokens)" if k == -1 else str(k)
+            raise APIError(400, f"{field}={what} is over the server's limit of {limit} logprobs per token: ask for "
+                                f"at most {limit}, or start the server with a larger --max-logprobs", field)
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.settings.served_model_names:
+        """An absent or empty `model` means the served model, as upstream; another name is a 404."""
+        if name and name not in self.settings.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist: this server serves "
                                 f"{', '.join(self.settings.served_model_names)}", "model")
 
