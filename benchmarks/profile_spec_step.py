@@ -5,7 +5,8 @@ by kernel (torch.profiler), for one request generating greedily.
 
 Prints the wall time per generated token (median of `--repeats`, unprofiled), the host time per step in each phase
 of the engine loop (timers around its functions, one timed run), then the top functions by own and by cumulative
-host time, then the top CUDA kernels by device time and the number of kernel launches per step.
+host time, then the top CUDA kernels by device time and the number of kernel launches per step, then each graph's
+device time per replay (the target's forward and the draft's step, without the host).
 A dspark config without "model" gets the shipped draft.
 """
 from __future__ import annotations
@@ -30,10 +31,11 @@ from vllm.tools.prepare_corpus import heldout_code_windows
 from vllm.worker.model_runner import AsyncModelRunnerOutput
 
 
-def count_step_paths(runner) -> collections.Counter:
+def count_step_paths(runner) -> tuple[collections.Counter, set]:
     """Counts how the runner's forwards run (graph replay by shape, piecewise, eager), to tell a step that
-    misses its graph from one that is slow inside it."""
-    paths = collections.Counter()
+    misses its graph from one that is slow inside it; also returns the set of graph keys replayed (the target's
+    and the draft's)."""
+    paths, replayed = collections.Counter(), set()
 
     def counted(name, fn):
         def wrapper(*a, **kw):
@@ -42,11 +44,28 @@ def count_step_paths(runner) -> collections.Counter:
         return wrapper
 
     if runner.graphs is not None:
-        runner.graphs.replay = counted(lambda desc: f"graph {desc}", runner.graphs.replay)
+        runner.graphs.replay = counted(lambda key: replayed.add(key) or f"graph {key}", runner.graphs.replay)
     runner._forward = counted(lambda T, common: "eager", runner._forward)
     if runner.piecewise is not None:
         runner.piecewise.run = counted(lambda T, meta: "piecewise", runner.piecewise.run)
-    return paths
+    return paths, replayed
+
+
+def time_graph_replays(graphs, keys, repeats: int = 200) -> dict[str, float]:
+    """Device microseconds per replay of each graph in `keys`, back to back between two CUDA events: the device
+    floor of that part of a step, without the host. Run it last: a replay rewrites the cache rows and recurrent
+    states of the last step's rows."""
+    out = {}
+    for key in sorted(keys, key=str):
+        graphs.replay(key)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graphs.replay(key)
+        end.record()
+        end.synchronize()
+        out[str(key)] = start.elapsed_time(end) / repeats * 1e3
+    return out
 
 
 # (owner path from the engine, method): the engine loop's phases, timed per step; nested phases are inside their
@@ -121,7 +140,8 @@ def main() -> None:
         return llm.generate([prompt], params, use_tqdm=False)
 
     run()
-    paths = count_step_paths(llm.llm_engine.runner)
+    runner = llm.llm_engine.runner
+    paths, replayed = count_step_paths(runner)
     walls = []
     for _ in range(args.repeats):
         sync(args.device)
@@ -161,6 +181,10 @@ def main() -> None:
     print(f"{len(kernels) / steps:.1f} device kernels per step, "
           f"{sum(e.device_time for e in kernels) / steps / 1e3:.3f} ms device time per step")
     print(p.key_averages().table(sort_by="device_time_total", row_limit=args.top))
+    if runner.graphs is not None and args.device == "cuda":
+        print("device time per graph replay, back to back (us):")
+        for key, us in time_graph_replays(runner.graphs, replayed).items():
+            print(f"  {key:90s} {us:8.1f}")
 
 
 if __name__ == "__main__":

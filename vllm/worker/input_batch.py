@@ -16,8 +16,9 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
-from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID, PLACEHOLDER_TOKEN_ID
+from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
 from vllm.utils import async_tensor_h2d
+from vllm.worker.in_flight_fill import AnchorKind, FillSources, FillTargets, fill_in_flight
 
 # The step in flight's sampled tokens on the device and each sampling request's row in them (what penalties
 # count before the host has them).
@@ -40,14 +41,13 @@ class InFlightStep:
 
 @dataclass(slots=True)
 class _DeviceFills:
-    """Where a step's host buffers hold stand-ins for device values (InputBatch._fill_in_flight)."""
-    anchors: list[tuple[int, str]] = field(default_factory=list)  # (token in the step, request)
-    # Rows continuing a verify row in flight: (row, its first token, its length, drafts in flight).
-    shifted: list[tuple[int, int, int, int]] = field(default_factory=list)
-    drafts: list[tuple[int, str, int]] = field(default_factory=list)  # (first draft's token, request, count)
+    """Where a step's host buffers hold stand-ins for device values (InputBatch._fill_in_flight), per row:
+    (row, request, anchor token or -1, first token, tokens, drafts in flight, first device draft, device drafts)
+    in step tokens (the fields of in_flight_fill.FillField, the request standing for its in-flight rows)."""
+    rows: list[tuple[int, str, int, int, int, int, int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.anchors or self.drafts)
+        return bool(self.rows)
 
 
 class CpuGpuBuffer:
@@ -104,6 +104,9 @@ class InputBatch:
         # The requests of the last step if it was one-token decodes without speculation (see _continues_decode),
         # else None.
         self._last_decode_rows: list | None = None
+        # pad_for_graph's arguments while the device buffers still hold that padding past the step's rows (a step
+        # of the same rows and tokens writes none of it), else None.
+        self._padding: tuple[int, int, int, int] | None = None
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager,
                 in_flight: InFlightStep | None = None) -> CommonAttentionMetadata:
@@ -126,6 +129,8 @@ class InputBatch:
             qsl[1:n_reqs + 1] = np.cumsum(lens)
         seq_lens[:n_reqs] = starts + lens
         T = int(qsl[n_reqs])
+        if self._padding is not None and self._padding[:2] != (n_reqs, T):
+            self._padding = None
         fills = self._write_tokens(scheduled, reqs, starts, T, continues)
         row_of_token = np.repeat(np.arange(n_reqs), lens)
         positions = self.positions.np[:T]
@@ -174,25 +179,27 @@ class InputBatch:
         fills = _DeviceFills()
         if continues and (starts >= np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))).all():
             self.input_ids.np[:T] = 0  # draft ids are read only when speculating, which never continues
-            fills.anchors = [(pos, r.request_id) for pos, r in enumerate(reqs)]
+            fills.rows = [(pos, r.request_id, pos, pos, 1, 0, -1, 0) for pos, r in enumerate(reqs)]
             return fills
         tokens: list[int] = []
         for r, (s, start) in enumerate(zip(scheduled, starts.tolist())):
             drafts, req = s.draft_token_ids, s.request
             # Drafts in flight placed the row as if all were accepted; its tokens are those of the row placed as
             # if all were rejected, the least a step in flight can emit.
+            first_token = len(tokens)
             first = start - s.num_spec_in_flight
             end = first + s.num_tokens - len(drafts)
             known = min(end, req.num_tokens)
-            if s.num_spec_in_flight:
-                fills.shifted.append((r, len(tokens), s.num_tokens, s.num_spec_in_flight))
             tokens += req.token_ids_slice(first, known)
+            anchor = -1
             if end > known:
                 assert end == known + 1, "only the last sampled token can still be in flight"
-                fills.anchors.append((len(tokens), req.request_id))
+                anchor = len(tokens)
                 tokens.append(0)
-            if drafts and drafts[0] == DEVICE_DRAFT_TOKEN_ID:
-                fills.drafts.append((len(tokens), req.request_id, len(drafts)))
+            device_drafts = len(drafts) if drafts and drafts[0] == DEVICE_DRAFT_TOKEN_ID else 0
+            if anchor >= 0 or device_drafts or s.num_spec_in_flight:
+                fills.rows.append((r, req.request_id, anchor, first_token, s.num_tokens, s.num_spec_in_flight,
+                                   len(tokens), device_drafts))
             tokens += drafts
         self.draft_ids.np[:T] = tokens
         np.maximum(self.draft_ids.np[:T], 0, out=self.input_ids.np[:T])  # a placeholder runs as token 0
@@ -239,49 +246,29 @@ class InputBatch:
         """Copies into the step's device buffers what only the device knows (see prepare), from `step`."""
         if step is None:
             raise RuntimeError("a scheduled token is neither on the host nor on the device from the step before")
-        anchors = fills.anchors
-        sampled = [(pos, step.sample_rows[rid]) for pos, rid in anchors if rid not in step.verify_rows]
-        n = len(sampled)
-        if not fills.drafts and n == len(anchors) and all(p == j == i for i, (p, j) in enumerate(sampled)):
+        rows, sample_rows, verify_rows, draft_rows = fills.rows, step.sample_rows, step.verify_rows, step.draft_rows
+        n = len(rows)
+        if all(a == i and not d and sample_rows.get(rid) == i for i, (_, rid, a, *_, d) in enumerate(rows)):
             # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
             self.input_ids.gpu[:n].copy_(step.sampled[:n])
             return
-        verified = [(pos, step.verify_rows[rid]) for pos, rid in anchors if rid in step.verify_rows]
-        draft_tokens = [(pos + j, step.draft_rows[rid], j) for pos, rid, k in fills.drafts for j in range(k)]
-        # Rows continuing a verify row: each token's row and its index among the verified anchors.
-        shifted = fills.shifted
-        assert len(shifted) == len(verified), "a row continues a verify row in flight, or has drafts in flight"
-        shift_tokens = [(first + t, r, i) for i, (r, first, length, _) in enumerate(shifted) for t in range(length)]
-        parts = [[p for p, _ in sampled], [j for _, j in sampled], [p for p, _ in verified],
-                 [j for _, j in verified], [r for r, *_ in shifted], [k for *_, k in shifted],
-                 [p for p, _, _ in draft_tokens], [j for _, j, _ in draft_tokens], [c for *_, c in draft_tokens],
-                 [p for p, _, _ in shift_tokens], [r for _, r, _ in shift_tokens], [i for *_, i in shift_tokens]]
-        cuts = np.cumsum([0] + [len(p) for p in parts])
-        packed = async_tensor_h2d(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]), torch.int64,
-                                  self.input_ids.gpu.device)
-        (s_pos, s_src, v_pos, v_src, v_row, v_spec, d_pos, d_src, d_col, t_pos, t_row, t_of) = (
-            packed[cuts[i]:cuts[i + 1]] for i in range(len(parts)))
-        ids = self.input_ids.gpu
-        if n:
-            ids[s_pos] = step.sampled[s_src]
-        if verified:
-            rows = step.verified[v_src]
-            emitted = (rows != PLACEHOLDER_TOKEN_ID).sum(1)  # >= 1: a verify row emits its first token
-            ids[v_pos] = rows.gather(1, (emitted - 1)[:, None]).squeeze(1)
-            # The row was placed after every draft in flight; the rejected ones come back off its tokens.
-            shift = v_spec - (emitted - 1)
-            self.num_accepted.gpu[v_row] = emitted.to(torch.int32)
-            self.seq_lens.gpu[v_row] -= shift.to(torch.int32)
-            positions = self.positions.gpu
-            positions[t_pos] -= shift[t_of]
-            if has_blocks:
-                pos = positions[t_pos]
-                block = self.block_table.gpu[t_row, pos // self.block_size].long()
-                self.slot_mapping.gpu[t_pos] = block * self.block_size + pos % self.block_size
-        if draft_tokens:
-            drafts = step.drafts[d_src, d_col]
-            ids[d_pos] = drafts
-            self.draft_ids.gpu[d_pos] = drafts
+        desc = []
+        for row, rid, anchor, first, length, spec, draft_pos, num_drafts in rows:
+            if anchor < 0:
+                kind, src = AnchorKind.NONE, 0
+            elif rid in verify_rows:
+                kind, src = AnchorKind.VERIFIED, verify_rows[rid]
+            else:
+                kind, src = AnchorKind.SAMPLED, sample_rows[rid]
+            assert (kind == AnchorKind.VERIFIED) == (spec > 0), \
+                "a row continues a verify row in flight, or has drafts in flight"
+            desc.append((row, anchor, kind, src, first, length, spec, draft_pos,
+                         draft_rows[rid] if num_drafts else 0, num_drafts))
+        fill_in_flight(np.array(desc, dtype=np.int64),
+                       FillTargets(self.input_ids.gpu, self.draft_ids.gpu, self.positions.gpu, self.slot_mapping.gpu,
+                                   self.seq_lens.gpu, self.num_accepted.gpu, self.block_table.gpu, self.block_size,
+                                   has_blocks),
+                       FillSources(step.sampled, step.verified, step.drafts))
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   freeze_host: bool) -> CommonAttentionMetadata:
@@ -324,6 +311,7 @@ class InputBatch:
         self.block_table.np[:n] = 0
         self.row_lists[:n] = [None] * n  # the next step rewrites these rows
         self._last_decode_rows = None
+        self._padding = None
         self.new_blocks = []
         self.block_table.copy_to_device(n)
         self.state_indices.np[:n] = NULL_STATE_SLOT
@@ -345,7 +333,11 @@ class InputBatch:
 
     def pad_for_graph(self, num_reqs: int, num_tokens: int, graph_reqs: int, graph_tokens: int) -> None:
         """After prepare(): zero-length requests on the null slot and tokens that write nothing, up to a
-        captured graph's shape, so its kernels see exactly this batch."""
+        captured graph's shape, so its kernels see exactly this batch. A decode loop pads once: its steps leave the
+        padding in place."""
+        if self._padding == (num_reqs, num_tokens, graph_reqs, graph_tokens):
+            return
+        self._padding = (num_reqs, num_tokens, graph_reqs, graph_tokens)
         if graph_reqs > num_reqs:
             self.query_start_loc.gpu[num_reqs + 1:graph_reqs + 1] = num_tokens
             self.seq_lens.gpu[num_reqs:graph_reqs] = 0
@@ -364,6 +356,7 @@ class InputBatch:
         T = sum(cpu_lens)
         assert len(cpu_lens) == n and T <= common.num_actual_tokens
         self._last_decode_rows = None  # the offsets and lengths below no longer describe the scheduled rows
+        self._padding = None  # the scheduled tokens past the kept ones are live again next step
         full_qsl = common.query_start_loc.long()
         qsl = torch.zeros(n + 1, dtype=torch.long, device=full_qsl.device)
         torch.cumsum(device_lens.long(), 0, out=qsl[1:])

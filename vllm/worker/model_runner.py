@@ -473,13 +473,14 @@ class ModelRunner:
         if self.graphs is None:
             return None
         n = common.num_reqs
-        if bool(common.is_prefilling[:n].any()):
+        # numpy views: torch ops on these small host tensors cost microseconds each, on every step
+        if common.is_prefilling[:n].numpy().any():
             if self.cudagraph_mode is not CUDAGraphMode.FULL:
                 return None
             # A prompt chunk must never replay a bounded decode graph: unbounded (mixed) graphs only.
             return self.dispatcher.dispatch(common.num_actual_tokens, n, None, None)
-        lens = common.query_lens_cpu[:n]
-        uniform = int(lens[0]) if n and bool((lens == lens[0]).all()) else None
+        lens = np.diff(common.query_start_loc_cpu[:n + 1].numpy())
+        uniform = int(lens[0]) if n and (lens == lens[0]).all() else None
         return self.dispatcher.dispatch(common.num_actual_tokens, n, common.max_query_len, uniform)
 
     def _profile_peak_bytes(self) -> int:
