@@ -5,8 +5,9 @@ by kernel (torch.profiler), for one request generating greedily.
 
 Prints the wall time per generated token (median of `--repeats`, unprofiled), the host time per step in each phase
 of the engine loop (timers around its functions, one timed run), then the top functions by own and by cumulative
-host time, then the top CUDA kernels by device time and the number of kernel launches per step, then each graph's
-device time per replay (the target's forward and the draft's step, without the host).
+host time, then the device timeline between marks in the step (where the device waits for the host), then the
+top CUDA kernels by device time and the number of kernel launches per step, then each graph's device time per
+replay (the target's forward and the draft's step, without the host).
 A dspark config without "model" gets the shipped draft.
 """
 from __future__ import annotations
@@ -118,6 +119,74 @@ def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:
     return totals, undo
 
 
+# Where the device timeline is marked: a CUDA event recorded (and the host clock read) as the host enters (">")
+# and leaves ("<") each of these; replays are told apart by their key's type (the target's or the draft's graph).
+TIMELINE_MARKS = [("runner", "execute_model"), ("runner.input_batch", "prepare"), ("runner.graphs", "replay"),
+                  ("runner", "_draft")]
+
+
+def mark_timeline(engine) -> tuple[list[tuple[str, torch.cuda.Event, float]], Callable[[], None]]:
+    """Wraps TIMELINE_MARKS (and the wait for each step's results) to record (label, event, host time) at each
+    entry and exit; returns the list and a function that restores the originals."""
+    marks: list[tuple[str, torch.cuda.Event, float]] = []
+
+    def mark(label: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((label, event, time.perf_counter()))
+
+    def marked(name, fn):
+        def wrapper(*a, **kw):
+            label = f"{name}({type(a[0]).__name__})" if name.endswith("replay") else name
+            mark(label + ">")
+            try:
+                return fn(*a, **kw)
+            finally:
+                mark(label + "<")
+        return wrapper
+
+    restore = []
+    for path, method in TIMELINE_MARKS:
+        owner = functools.reduce(getattr, path.split("."), engine)
+        restore.append((owner, method, owner.__dict__.get(method)))
+        setattr(owner, method, marked(method, getattr(owner, method)))
+    original_get_output = AsyncModelRunnerOutput.get_output
+
+    def get_output(self):
+        mark("get_output>")
+        try:
+            return original_get_output(self)
+        finally:
+            mark("get_output<")
+
+    AsyncModelRunnerOutput.get_output = get_output
+
+    def undo():
+        AsyncModelRunnerOutput.get_output = original_get_output
+        for owner, method, before in restore:
+            if before is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, before)
+    return marks, undo
+
+
+def print_timeline(marks: list[tuple[str, torch.cuda.Event, float]], steps: int) -> None:
+    """Per transition between consecutive marks: how often, and the median device and host time between them.
+    Where the device keeps pace with the host over a stretch (device time ~ host time there), the device waited
+    for the host's launches; where it takes longer, the host ran ahead (and waits for it later)."""
+    torch.cuda.synchronize()
+    spans = collections.defaultdict(list)
+    for (a, ea, ta), (b, eb, tb) in zip(marks, marks[1:]):
+        spans[f"{a} -> {b}"].append((ea.elapsed_time(eb) * 1e3, (tb - ta) * 1e6))
+    print(f"device timeline: transitions between marks (median us; total us per step over {steps} steps)")
+    print(f"  {'transition':62s} {'count':>5s} {'device':>8s} {'host':>8s} {'dev/step':>9s} {'host/step':>9s}")
+    for name, values in spans.items():
+        dev, host = sorted(v[0] for v in values), sorted(v[1] for v in values)
+        print(f"  {name:62s} {len(values):5d} {dev[len(dev) // 2]:8.1f} {host[len(host) // 2]:8.1f} "
+              f"{sum(dev) / steps:9.1f} {sum(host) / steps:9.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default=None, help="the --speculative-config JSON (none: no speculation)")
@@ -166,6 +235,11 @@ def main() -> None:
     totals["other (the step's wall less the phases above it)"] = timed_wall - sum(totals[n] for n in top)
     for name, total in totals.items():
         print(f"  {name:50s} {total / steps * 1e3:8.3f}")
+    if args.device == "cuda":
+        marks, undo = mark_timeline(llm.llm_engine)
+        run()
+        undo()
+        print_timeline(marks, steps)
     prof = cProfile.Profile()
     prof.enable()
     run()

@@ -93,8 +93,10 @@ def test_context_is_read_through_the_block_table_and_only_below_the_anchor(draft
 
 
 def test_the_served_rope_table_gives_the_computed_angles(draft):
-    """Serving reads RoPE's cos and sin from a table built once; training computes them: the same drafts and
-    confidences either way, bit for bit, for positions anywhere in the table."""
+    """Serving reads RoPE's factors from a table built once; training computes them: the same values bit for bit
+    for positions anywhere in the table, which serving does read. Served drafts (table, explicit attention)
+    are the training form's (computed angles, SDPA) up to the attention's rounding."""
+    from vllm.model_executor.models.dspark.model import rope_factors
     target = load_model(DEFAULT_MODEL_DIR, "float32")
     gen = torch.Generator().manual_seed(3)
     bs = _bind(draft)
@@ -107,14 +109,40 @@ def test_the_served_rope_table_gives_the_computed_angles(draft):
     draft.build_rope_table(16 + 4, "cpu")
     try:
         with torch.inference_mode():
+            positions = torch.tensor([[0, 5, 19], [3, 11, 7]])
+            cfg = draft.config
+            assert torch.equal(draft.rope_factors(positions),
+                               rope_factors(positions, cfg.qk_rope_head_dim, cfg.rope_theta))
             served = _propose(draft, target, *args)
-            draft.layers[0].self_attn.rope_table[1].zero_()  # the table is what serving reads: a wrong one shows
+            draft.rope_table[:, 1].zero_()  # the table is what serving reads: a wrong one shows
             assert not torch.equal(_propose(draft, target, *args)[1], served[1])
     finally:
-        for layer in draft.layers:
-            layer.self_attn.rope_table = None
-    assert torch.equal(computed[0], served[0]) and torch.equal(computed[1], served[1])
+        draft.rope_table = None
+    assert torch.equal(computed[0], served[0])
+    torch.testing.assert_close(computed[1], served[1], rtol=1e-5, atol=1e-6)
     assert bs * table.shape[1] <= 16
+
+
+def test_served_attention_is_sdpa_on_random_masks():
+    """The explicit attention serving runs against SDPA (what training runs) on fresh random inputs, with masks
+    that hide different keys per query (each query keeps at least one)."""
+    from vllm.model_executor.models.dspark.model import attend
+    gen = torch.Generator().manual_seed(5)
+    N, Q, S, H, d, dv = 3, 4, 37, 4, 48, 32
+    q, k = torch.randn(N, Q, H, d, generator=gen), torch.randn(N, S, H, d, generator=gen)
+    v = torch.randn(N, S, H, dv, generator=gen)
+    mask = torch.rand(N, Q, S, generator=gen) < 0.6
+    mask[..., -1] = True
+    with torch.no_grad():
+        served = attend(q, k, v, mask, 0.17)
+    with torch.enable_grad():
+        trained = attend(q, k, v, mask, 0.17)
+    assert served.shape == (N, Q, H, dv)
+    torch.testing.assert_close(served, trained, rtol=1e-5, atol=1e-5)
+    hidden = mask.clone()
+    hidden[0, 0, :-1] = False  # query (0, 0) now sees only the last key: its output is that key's value
+    with torch.no_grad():
+        torch.testing.assert_close(attend(q, k, v, hidden, 0.17)[0, 0], v[0, -1])
 
 
 def test_captured_hidden_states_are_the_stream_after_each_layer(tmp_path):

@@ -82,9 +82,9 @@ def test_the_kernel_fills_what_the_torch_form_fills(device, seed):
 def test_a_verify_row_in_flight_moves_back_by_its_rejected_drafts(kernel, device):
     """Row 0: a sampled anchor and two drafts. Row 1: it continues a verify row that had 3 drafts in flight, of
     which it kept 1 (emitted [7, 8]); the host placed it 2 tokens too far, so it moves back by 2."""
+    desc = np.array([(0, 0, AnchorKind.SAMPLED, 1, 0, 3, 0, 1, 1, 2),
+                     (1, 3, AnchorKind.VERIFIED, 0, 3, 3, 3, 4, 0, 2)], dtype=np.int64)
     with torch.device(device):  # the tensors below
-        desc = np.array([(0, 0, AnchorKind.SAMPLED, 1, 0, 3, 0, 1, 1, 2),
-                         (1, 3, AnchorKind.VERIFIED, 0, 3, 3, 3, 4, 0, 2)], dtype=np.int64)
         t = FillTargets(input_ids=torch.zeros(6, dtype=torch.int64), draft_ids=torch.full((6,), -2),
                         positions=torch.tensor([4, 5, 6, 12, 13, 14]),
                         slot_mapping=torch.zeros(6, dtype=torch.int64),
@@ -94,10 +94,10 @@ def test_a_verify_row_in_flight_moves_back_by_its_rejected_drafts(kernel, device
                         has_blocks=True)
         s = FillSources(sampled=torch.tensor([100, 101]), verified=torch.tensor([[7, 8, -1, -1]]),
                         drafts=torch.tensor([[20, 21, 22], [30, 31, 32]]))
-        fill_in_flight(desc, t, s, kernel=kernel)
-        assert t.input_ids.tolist() == [101, 30, 31, 8, 20, 21]
-        assert t.draft_ids.tolist() == [-2, 30, 31, -2, 20, 21]
-        assert t.positions.tolist() == [4, 5, 6, 10, 11, 12]
-        assert t.seq_lens.tolist() == [7, 13] and t.num_accepted.tolist() == [1, 2]
-        # Row 1's moved tokens take their slots again from its table: positions 10, 11 in block 11, 12 in 12.
-        assert t.slot_mapping.tolist()[3:] == [11 * 4 + 2, 11 * 4 + 3, 12 * 4 + 0]
+    fill_in_flight(desc, t, s, kernel=kernel)  # outside the device context, where host tensors stay on the host
+    assert t.input_ids.tolist() == [101, 30, 31, 8, 20, 21]
+    assert t.draft_ids.tolist() == [-2, 30, 31, -2, 20, 21]
+    assert t.positions.tolist() == [4, 5, 6, 10, 11, 12]
+    assert t.seq_lens.tolist() == [7, 13] and t.num_accepted.tolist() == [1, 2]
+    # Row 1's moved tokens take their slots again from its table: positions 10, 11 in block 11, 12 in 12.
+    assert t.slot_mapping.tolist()[3:] == [11 * 4 + 2, 11 * 4 + 3, 12 * 4 + 0]

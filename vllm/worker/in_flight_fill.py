@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.utils import async_tensor_h2d
 
 try:
     from vllm.worker import in_flight_kernels
@@ -71,9 +72,10 @@ class FillSources:
 
 
 def fill_in_flight(desc: np.ndarray, targets: FillTargets, sources: FillSources,
-                   kernel: bool | None = None) -> None:
+                   device_desc: torch.Tensor | None = None, kernel: bool | None = None) -> None:
     """Applies the descriptor rows `desc` [n, FILL_FIELDS] to `targets` from `sources`: with `kernel` (by default
-    on CUDA) in one Triton launch, else in the torch form."""
+    on CUDA) in one Triton launch, which reads `device_desc` (desc's copy queued on the device; by default one is
+    made here), else in the torch form."""
     if kernel is None:
         kernel = targets.input_ids.is_cuda and in_flight_kernels is not None
     if not kernel:
@@ -81,7 +83,9 @@ def fill_in_flight(desc: np.ndarray, targets: FillTargets, sources: FillSources,
         return
     width = max(int(desc[:, FillField.LENGTH].max()), int(desc[:, FillField.DRAFT_COUNT].max()),
                 sources.verified.shape[1] if sources.verified is not None else 1)
-    in_flight_kernels.fill_in_flight(desc, width, targets, sources)
+    if device_desc is None:
+        device_desc = async_tensor_h2d(desc, torch.int64, targets.input_ids.device)
+    in_flight_kernels.fill_in_flight(device_desc, width, targets, sources)
 
 
 def fill_in_flight_torch(desc: np.ndarray, t: FillTargets, s: FillSources) -> None:

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
-from vllm.utils import async_tensor_h2d
 
 if TYPE_CHECKING:
     from vllm.worker.in_flight_fill import FillSources, FillTargets
@@ -48,17 +46,16 @@ def _fill_in_flight_kernel(desc_ptr, sampled_ptr, verified_ptr, drafts_ptr, ids_
     tl.store(draft_ids_ptr + draft_pos + cols, drafts, mask=in_drafts)
 
 
-def fill_in_flight(desc: np.ndarray, width: int, t: FillTargets, s: FillSources) -> None:
-    """fill_in_flight in one launch, `width` bounding a row's tokens, drafts and verified row; the descriptor
-    goes up in one pinned copy."""
-    device_desc = async_tensor_h2d(desc, torch.int64, t.input_ids.device)
+def fill_in_flight(device_desc: torch.Tensor, width: int, t: FillTargets, s: FillSources) -> None:
+    """fill_in_flight in one launch over the descriptor rows on the device, `width` bounding a row's tokens,
+    drafts and verified row."""
     # Absent sources are never read (no row names them); any tensor stands in for the pointer.
     sampled = s.sampled if s.sampled is not None else device_desc
     verified = s.verified if s.verified is not None else device_desc
     drafts = s.drafts if s.drafts is not None else device_desc
-    _fill_in_flight_kernel[(desc.shape[0],)](
+    _fill_in_flight_kernel[(device_desc.shape[0],)](
         device_desc, sampled, verified, drafts, t.input_ids, t.draft_ids, t.positions, t.slot_mapping, t.seq_lens,
         t.num_accepted, t.block_table, verified.stride(0), verified.shape[1] if s.verified is not None else 0,
         drafts.stride(0), t.block_table.stride(0), t.block_size, HAS_BLOCKS=t.has_blocks,
-        NUM_FIELDS=desc.shape[1], PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
+        NUM_FIELDS=device_desc.shape[1], PLACEHOLDER=PLACEHOLDER_TOKEN_ID,
         BLOCK=triton.next_power_of_2(width), num_warps=1)

@@ -18,7 +18,7 @@ from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
 from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
 from vllm.utils import async_tensor_h2d
-from vllm.worker.in_flight_fill import AnchorKind, FillSources, FillTargets, fill_in_flight
+from vllm.worker.in_flight_fill import FILL_FIELDS, AnchorKind, FillSources, FillTargets, fill_in_flight
 
 # The step in flight's sampled tokens on the device and each sampling request's row in them (what penalties
 # count before the host has them).
@@ -56,19 +56,31 @@ class CpuGpuBuffer:
 
     def __init__(self, shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.np = self.cpu.numpy()
-        self.gpu = torch.zeros(shape, dtype=dtype, device=device)
+        self._bind(torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, device=device))
+
+    def _bind(self, cpu: torch.Tensor, gpu: torch.Tensor) -> None:
+        self.cpu, self.np, self.gpu = cpu, cpu.numpy(), gpu
+        # (host, device) views of the first n rows by n: each step takes the same few, and slicing a tensor is
+        # microseconds of host time on every step
+        self._prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def row(self, i: int) -> CpuGpuBuffer:
         """Row i of a 2-D buffer as a buffer of its own, sharing the storage (host, device and numpy views)."""
         view = object.__new__(CpuGpuBuffer)
-        view.cpu, view.np, view.gpu = self.cpu[i], self.np[i], self.gpu[i]
+        view._bind(self.cpu[i], self.gpu[i])
         return view
 
+    def prefix(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host, device) views of the first n rows."""
+        views = self._prefixes.get(n)
+        if views is None:
+            views = self._prefixes[n] = (self.cpu[:n], self.gpu[:n])
+        return views
+
     def copy_to_device(self, n: int) -> torch.Tensor:
-        self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
+        cpu, gpu = self.prefix(n)
+        gpu.copy_(cpu, non_blocking=True)
+        return gpu
 
 
 class InputBatch:
@@ -98,9 +110,16 @@ class InputBatch:
         self.new_blocks: list[tuple[int, int, int]] = []  # (row, first column, past the last) to send this step
         self.is_prefilling = torch.zeros(max_num_reqs, dtype=torch.bool)  # host only: request state
         self.is_prefilling_np = self.is_prefilling.numpy()
+        # The in-flight fill's descriptor rows (in_flight_fill.FillField), uploaded like the step's inputs.
+        self.fill_desc = CpuGpuBuffer((max_num_reqs, FILL_FIELDS), torch.int64, device)
         # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
         # ran, which matters once a step is prepared while the one before may still be queued.
-        self._copied: torch.cuda.Event | None = None
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # The offsets and state slots last sent to the device while the device still holds them (a trim or a
+        # dummy step rewrites them), else None: a step whose rows keep them sends them no more.
+        self._sent_rows: tuple[np.ndarray, np.ndarray] | None = None
+        # The step's metadata views by (requests, tokens), see _metadata.
+        self._metadata_views: dict[tuple[int, int], tuple] = {}
         # The requests of the last step if it was one-token decodes without speculation (see _continues_decode),
         # else None.
         self._last_decode_rows: list | None = None
@@ -115,7 +134,7 @@ class InputBatch:
         copied there: a row's newest token, its DSpark drafts and, after a verify row whose results are not back,
         the row's true start (the host placed it as if every draft in flight were accepted)."""
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied.synchronize()  # never recorded yet: returns at once
         bs = self.block_size
         scheduled = out.scheduled
         n_reqs = len(scheduled)
@@ -157,6 +176,7 @@ class InputBatch:
         self._copy_to_device(n_reqs, T, rows_changed=not continues)
         if fills:
             self._fill_in_flight(fills, in_flight, kv.needs_blocks)
+        self._record_copies()
         decode_only = T == n_reqs and not self.spec and not self.is_prefilling_np[:n_reqs].any()
         self._last_decode_rows = reqs if decode_only else None
         return self._metadata(n_reqs, T, int(lens.max()) if n_reqs else 0,
@@ -226,8 +246,12 @@ class InputBatch:
         since a continuing decode step leaves them as the device holds them)."""
         spec_reqs, spec_tokens = ((self.num_accepted,), (self.draft_ids,)) if self.spec else ((), ())
         if rows_changed:
-            self.query_start_loc.copy_to_device(num_reqs + 1)
-            self.state_indices.copy_to_device(num_reqs)
+            qsl, slots = self.query_start_loc.np[:num_reqs + 1], self.state_indices.np[:num_reqs]
+            sent = self._sent_rows
+            if sent is None or not (np.array_equal(sent[0], qsl) and np.array_equal(sent[1], slots)):
+                self.query_start_loc.copy_to_device(num_reqs + 1)
+                self.state_indices.copy_to_device(num_reqs)
+                self._sent_rows = (qsl.copy(), slots.copy())
         for buf in (self.seq_lens, *spec_reqs):
             buf.copy_to_device(num_reqs)
         if self.new_blocks:
@@ -238,8 +262,10 @@ class InputBatch:
             self.block_table.gpu[index[0], index[1]] = index[2].to(torch.int32)
         for buf in (self.input_ids, self.positions, self.slot_mapping, *spec_tokens):
             buf.copy_to_device(num_tokens)
-        if self.input_ids.gpu.is_cuda:
-            self._copied = torch.cuda.Event()
+
+    def _record_copies(self) -> None:
+        """Marks the end of the step's host-to-device copies (the next prepare waits for it)."""
+        if self._copied is not None:
             self._copied.record()
 
     def _fill_in_flight(self, fills: _DeviceFills, step: InFlightStep | None, has_blocks: bool) -> None:
@@ -264,30 +290,40 @@ class InputBatch:
                 "a row continues a verify row in flight, or has drafts in flight"
             desc.append((row, anchor, kind, src, first, length, spec, draft_pos,
                          draft_rows[rid] if num_drafts else 0, num_drafts))
-        fill_in_flight(np.array(desc, dtype=np.int64),
+        host_desc = self.fill_desc.np[:len(desc)]
+        host_desc[:] = desc
+        fill_in_flight(host_desc,
                        FillTargets(self.input_ids.gpu, self.draft_ids.gpu, self.positions.gpu, self.slot_mapping.gpu,
                                    self.seq_lens.gpu, self.num_accepted.gpu, self.block_table.gpu, self.block_size,
                                    has_blocks),
-                       FillSources(step.sampled, step.verified, step.drafts))
+                       FillSources(step.sampled, step.verified, step.drafts),
+                       device_desc=self.fill_desc.copy_to_device(len(desc)))
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   freeze_host: bool) -> CommonAttentionMetadata:
         """The step's metadata over the buffers' first rows: device tensors are views of the persistent device
-        buffers; host tensors are views too, or frozen copies (`freeze_host`, for a graph's capture)."""
-        def host(t: torch.Tensor) -> torch.Tensor:
-            return t.clone() if freeze_host else t
-        slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
-        if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
-            slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
+        buffers; host tensors are views too, or frozen copies (`freeze_host`, for a graph's capture). The views
+        are made once per shape."""
+        views = self._metadata_views.get((num_reqs, num_tokens))
+        if views is None:
+            slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
+            if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
+                slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
+            views = self._metadata_views[(num_reqs, num_tokens)] = (
+                self.query_start_loc.gpu[:num_reqs + 1], self.query_start_loc.cpu[:num_reqs + 1],
+                self.seq_lens.gpu[:num_reqs], self.seq_lens.cpu[:num_reqs], self.block_table.gpu[:num_reqs],
+                self.slot_mapping.gpu[:num_tokens], self.is_prefilling[:num_reqs], slots, slots_cpu,
+                self.num_draft_tokens[:num_reqs], self.num_accepted.gpu[:num_reqs] if self.spec else None)
+        qsl, qsl_cpu, seq_lens, seq_lens_cpu, block_table, slot_mapping, prefilling, slots, slots_cpu, drafts, \
+            accepted = views
+        if freeze_host:
+            qsl_cpu, seq_lens_cpu, prefilling, slots_cpu, drafts = (
+                t.clone() for t in (qsl_cpu, seq_lens_cpu, prefilling, slots_cpu, drafts))
         return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.gpu[:num_reqs + 1],
-            query_start_loc_cpu=host(self.query_start_loc.cpu[:num_reqs + 1]),
-            seq_lens=self.seq_lens.gpu[:num_reqs], seq_lens_cpu=host(self.seq_lens.cpu[:num_reqs]),
+            query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu,
             num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            block_table=self.block_table.gpu[:num_reqs], slot_mapping=self.slot_mapping.gpu[:num_tokens],
-            is_prefilling=host(self.is_prefilling[:num_reqs]), state_indices=slots,
-            state_indices_cpu=host(slots_cpu), num_draft_tokens=host(self.num_draft_tokens[:num_reqs]),
-            num_accepted_tokens=self.num_accepted.gpu[:num_reqs] if self.spec else None)
+            block_table=block_table, slot_mapping=slot_mapping, is_prefilling=prefilling, state_indices=slots,
+            state_indices_cpu=slots_cpu, num_draft_tokens=drafts, num_accepted_tokens=accepted)
 
     def fill_for_capture(self, num_reqs: int, num_tokens: int, max_query_len: int) -> None:
         """Harmless inputs for capturing a graph of this shape: tokens spread evenly over requests with no
@@ -312,12 +348,14 @@ class InputBatch:
         self.row_lists[:n] = [None] * n  # the next step rewrites these rows
         self._last_decode_rows = None
         self._padding = None
+        self._sent_rows = None
         self.new_blocks = []
         self.block_table.copy_to_device(n)
         self.state_indices.np[:n] = NULL_STATE_SLOT
         self.num_accepted.np[:n] = 1
         self.is_prefilling_np[:n] = prefilling
         self._copy_to_device(n, T)
+        self._record_copies()
 
     def dummy_metadata(self, num_reqs: int, num_tokens: int, max_query_len: int,
                        max_seq_len: int) -> CommonAttentionMetadata:
@@ -357,6 +395,7 @@ class InputBatch:
         assert len(cpu_lens) == n and T <= common.num_actual_tokens
         self._last_decode_rows = None  # the offsets and lengths below no longer describe the scheduled rows
         self._padding = None  # the scheduled tokens past the kept ones are live again next step
+        self._sent_rows = None  # the device offsets below are not the host's
         full_qsl = common.query_start_loc.long()
         qsl = torch.zeros(n + 1, dtype=torch.long, device=full_qsl.device)
         torch.cumsum(device_lens.long(), 0, out=qsl[1:])

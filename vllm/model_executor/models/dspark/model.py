@@ -14,9 +14,10 @@ token drafted at i-1), drafted left to right. The confidence head, sigmoid of a 
 
 This is the torch form (eager, any device); the batch is padded to the longest context of the step. The same
 modules train (vllm.tools.train_dspark): while gradients are on, norms take their torch form (`forward_native`;
-the fused norm kernel has no backward) and RoPE computes its angles; serving (no gradients) takes the fused norm
-(one launch where the torch form is six) and a table of the angles' cos and sin (`build_rope_table`): a step is
-a few hundred launches of tiny kernels, so each one saved counts.
+the fused norm kernel has no backward), RoPE computes its angles and attention is SDPA. Serving (no gradients)
+takes the fused norm (one launch where the torch form is six), a table of the angles' cos and sin
+(`build_rope_table`, looked up once per call and shared by every rotation in it) and attention as two batched
+matmuls around a softmax: a step is a few hundred launches of tiny kernels, so each one saved counts.
 """
 from __future__ import annotations
 
@@ -39,20 +40,34 @@ def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple
     return angles.cos(), angles.sin()
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
-         table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Rotary embedding, rotate-half form, over the last dim of x [..., R] at `positions` (x's leading shape
-    without its last dim, or broadcastable to it). `table`: rope_angles over positions 0..n-1, read instead of
-    computing the angles (the same values)."""
+def rope_factors(positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """[..., 2, rotary_dim] float32: the rotate-half form's factors at `positions`, [cos ; cos] and [-sin ; sin]
+    (see rope)."""
+    cos, sin = rope_angles(positions, rotary_dim, theta)
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=-2)
+
+
+def rope(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form, over the last dim of x [..., R], with rope_factors at x's positions
+    (broadcastable to x's leading shape): x * [cos ; cos] + [x2 ; x1] * [-sin ; sin], which is [x1 cos - x2 sin ;
+    x2 cos + x1 sin] to the bit (products rounded, then summed)."""
     half = x.shape[-1] // 2
-    if table is None:
-        cos, sin = rope_angles(positions, x.shape[-1], theta)
-    else:
-        # Clamped: a padding row's garbage position must not index out of the table (a device-side assert).
-        at = positions.clamp(0, table[0].shape[0] - 1)
-        cos, sin = table[0][at], table[1][at]
-    x1, x2 = x.float()[..., :half], x.float()[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    xf = x.float()
+    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * factors[..., 0, :] + swapped * factors[..., 1, :]).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale where mask, else -inf) v for q [N, Q, H, d], k [N, S, H, d], v [N, S, H, dv] and mask
+    [N, Q, S]; returns [N, Q, H, dv]. Training runs SDPA (its memory-efficient kernel keeps no [Q, S] scores per
+    head); serving computes the scores: at a draft step's size (a few queries, a few hundred keys, float32) SDPA's
+    kernel took 30 us per layer on the H200, longer than the few launches of the explicit form."""
+    if torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))  # [N, H, Q, S]
+    scores = scores.mul_(scale).masked_fill_(~mask[:, None], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.transpose(1, 2)).transpose(1, 2)
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -76,32 +91,27 @@ class DSparkAttention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, mla_cache_dim], bound by the runner
-        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # DSparkDraftModel.build_rope_table
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rope(x, positions, self.config.rope_theta, None if torch.is_grad_enabled() else self.rope_table)
-
-    def latent(self, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The cached form of kv_a_proj_with_mqa's output [..., L + R]: normalised c_kv, rotated k_rope."""
+    def latent(self, kv_a: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        """The cached form of kv_a_proj_with_mqa's output [..., L + R]: normalised c_kv, k_rope rotated by the
+        rope_factors of its positions."""
         c_kv, k_rope = kv_a.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
-        return torch.cat([_norm(self.kv_a_layernorm, c_kv), self._rope(k_rope, positions)], dim=-1)
+        return torch.cat([_norm(self.kv_a_layernorm, c_kv), rope(k_rope, factors)], dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+    def forward(self, x: torch.Tensor, factors: torch.Tensor, context: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x [N, Q, D] block tokens at positions [N, Q] attend to the keys [context [N, C, L + R] latents ; the
-        block's own Q] where mask [N, Q, C + Q] is true."""
+        """x [N, Q, D] block tokens, with the rope_factors [N, Q, 2, R] of their positions, attend to the keys
+        [context [N, C, L + R] latents ; the block's own Q] where mask [N, Q, C + Q] is true."""
         cfg, H = self.config, self.num_heads
         N, Q, _ = x.shape
         nope, r, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q = self.q_b_proj(_norm(self.q_a_layernorm, self.q_a_proj(x))).view(N, Q, H, nope + r)
-        q = torch.cat([q[..., :nope], self._rope(q[..., nope:], positions[..., None])], dim=-1)
-        keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), positions)], dim=1)  # [N, C+Q, L+R]
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], factors[:, :, None])], dim=-1)
+        keys = torch.cat([context, self.latent(self.kv_a_proj_with_mqa(x), factors)], dim=1)  # [N, C+Q, L+R]
         c_kv, k_rope = keys.split([cfg.kv_lora_rank, r], dim=-1)
         k_nope, v = self.kv_b_proj(c_kv).view(N, -1, H, nope + vd).split([nope, vd], dim=-1)
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(-1, -1, H, -1)], dim=-1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None], scale=1 / math.sqrt(nope + r))
-        return self.o_proj(o.transpose(1, 2).flatten(-2))
+        return self.o_proj(attend(q, k, v, mask, 1 / math.sqrt(nope + r)).flatten(-2))
 
 
 class DSparkMLP(nn.Module):
@@ -148,6 +158,16 @@ class DSparkDraftModel(nn.Module):
         if config.enable_confidence_head:
             self.confidence_head = nn.Linear(D + config.markov_rank, 1, bias=True)
         self.fused_kv_a_weight: torch.Tensor | None = None
+        self.rope_table: torch.Tensor | None = None  # build_rope_table
+
+    def rope_factors(self, positions: torch.Tensor) -> torch.Tensor:
+        """rope_factors [..., 2, R] at `positions`: from the table when serving (one lookup per call, shared by
+        the layers), else computed (training)."""
+        cfg = self.config
+        if self.rope_table is None or torch.is_grad_enabled():
+            return rope_factors(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        # Clamped: a padding row's garbage position must not index out of the table (a device-side assert).
+        return self.rope_table[positions.clamp(0, self.rope_table.shape[0] - 1)]
 
     def process_weights_after_loading(self) -> None:
         """The context path's one projection for all layers: their kv_a_proj_with_mqa weights, stacked. The
@@ -157,12 +177,11 @@ class DSparkDraftModel(nn.Module):
             self.confidence_head.float()
 
     def build_rope_table(self, num_positions: int, device: torch.device) -> None:
-        """The rotary angles' cos and sin at positions 0..num_positions-1, which serving reads instead of computing
-        them at every call (shared by the layers: they have one RoPE width and base)."""
+        """rope_factors at positions 0..num_positions-1, which serving reads instead of computing them at every
+        call (the same values: the angles are elementwise in the position)."""
         cfg = self.config
-        table = rope_angles(torch.arange(num_positions, device=device), cfg.qk_rope_head_dim, cfg.rope_theta)
-        for layer in self.layers:
-            layer.self_attn.rope_table = table
+        self.rope_table = rope_factors(torch.arange(num_positions, device=device), cfg.qk_rope_head_dim,
+                                       cfg.rope_theta)
 
     def bind_caches(self, caches: list[torch.Tensor]) -> None:
         """One [num_blocks, block_size, L + R] cache per layer; its last slot is scratch for padding rows, so the
@@ -174,7 +193,8 @@ class DSparkDraftModel(nn.Module):
         """Each layer's cached latents [..., L + R] of context tokens [..., n_layers * D_target] at positions."""
         c = _norm(self.context_norm, self.context_proj(target_hidden))
         parts = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
-        return [layer.self_attn.latent(part, positions) for layer, part in zip(self.layers, parts)]
+        factors = self.rope_factors(positions)
+        return [layer.self_attn.latent(part, factors) for layer, part in zip(self.layers, parts)]
 
     def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Context tokens [T, n_layers * D_target] at positions [T] into every layer's cache at slot_mapping [T]
@@ -198,8 +218,9 @@ class DSparkDraftModel(nn.Module):
                  mask: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, Q, D] of block tokens x [N, Q, D]; contexts: each layer's [N, C, L + R]
         latents; mask [N, Q, C + Q] (see DSparkAttention.forward)."""
+        factors = self.rope_factors(positions)
         for layer, context in zip(self.layers, contexts):
-            x = x + layer.self_attn(_norm(layer.input_layernorm, x), positions, context.to(x.dtype), mask)
+            x = x + layer.self_attn(_norm(layer.input_layernorm, x), factors, context.to(x.dtype), mask)
             x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
         return _norm(self.norm, x)
 
