@@ -77,11 +77,33 @@ PHASES = [("scheduler", "schedule"), ("", "_sampling_metadata"), ("runner", "exe
           ("output_processor", "process"), ("", "_take_device_drafts")]
 
 
+def patch_engine(engine, methods: list[tuple[str, str]], wrap, wrap_get_output) -> Callable[[], None]:
+    """Replaces each (owner path from the engine, method) by wrap(label, original) on its owner, and
+    AsyncModelRunnerOutput.get_output by wrap_get_output(original); returns a function that restores them."""
+    restore = []
+    for path, method in methods:
+        owner = functools.reduce(getattr, path.split("."), engine) if path else engine
+        if owner is None:
+            continue
+        restore.append((owner, method, owner.__dict__.get(method)))
+        setattr(owner, method, wrap(f"{path + '.' if path else ''}{method}", getattr(owner, method)))
+    original_get_output = AsyncModelRunnerOutput.get_output
+    AsyncModelRunnerOutput.get_output = wrap_get_output(original_get_output)
+
+    def undo():
+        AsyncModelRunnerOutput.get_output = original_get_output
+        for owner, method, before in restore:
+            if before is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, before)
+    return undo
+
+
 def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:
     """Wraps the engine loop's phases (and the wait for each step's results) with timers; returns the running
     totals in seconds and a function that restores the originals."""
     totals: dict[str, float] = collections.defaultdict(float)
-    restore = []
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -92,31 +114,16 @@ def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:
                 totals[name] += time.perf_counter() - t0
         return wrapper
 
-    for path, method in PHASES:
-        owner = functools.reduce(getattr, path.split("."), engine) if path else engine
-        if owner is None:
-            continue
-        restore.append((owner, method, owner.__dict__.get(method)))
-        setattr(owner, method, timed(f"{path + '.' if path else ''}{method}", getattr(owner, method)))
-    original_get_output = AsyncModelRunnerOutput.get_output
+    def timed_get_output(original):
+        def get_output(self):
+            t0 = time.perf_counter()
+            if self.done is not None:
+                self.done.synchronize()
+            totals["wait for the device"] += time.perf_counter() - t0
+            return original(self)
+        return get_output
 
-    def get_output(self):
-        t0 = time.perf_counter()
-        if self.done is not None:
-            self.done.synchronize()
-        totals["wait for the device"] += time.perf_counter() - t0
-        return original_get_output(self)
-
-    AsyncModelRunnerOutput.get_output = get_output
-
-    def undo():
-        AsyncModelRunnerOutput.get_output = original_get_output
-        for owner, method, before in restore:
-            if before is None:
-                delattr(owner, method)
-            else:
-                setattr(owner, method, before)
-    return totals, undo
+    return totals, patch_engine(engine, PHASES, timed, timed_get_output)
 
 
 # Where the device timeline is marked: a CUDA event recorded (and the host clock read) as the host enters (">")
@@ -135,9 +142,11 @@ def mark_timeline(engine) -> tuple[list[tuple[str, torch.cuda.Event, float]], Ca
         event.record()
         marks.append((label, event, time.perf_counter()))
 
-    def marked(name, fn):
+    def marked(path, fn):
+        name = path.rsplit(".", 1)[-1]
+
         def wrapper(*a, **kw):
-            label = f"{name}({type(a[0]).__name__})" if name.endswith("replay") else name
+            label = f"{name}({type(a[0]).__name__})" if name == "replay" else name
             mark(label + ">")
             try:
                 return fn(*a, **kw)
@@ -145,30 +154,16 @@ def mark_timeline(engine) -> tuple[list[tuple[str, torch.cuda.Event, float]], Ca
                 mark(label + "<")
         return wrapper
 
-    restore = []
-    for path, method in TIMELINE_MARKS:
-        owner = functools.reduce(getattr, path.split("."), engine)
-        restore.append((owner, method, owner.__dict__.get(method)))
-        setattr(owner, method, marked(method, getattr(owner, method)))
-    original_get_output = AsyncModelRunnerOutput.get_output
+    def marked_get_output(original):
+        def get_output(self):
+            mark("get_output>")
+            try:
+                return original(self)
+            finally:
+                mark("get_output<")
+        return get_output
 
-    def get_output(self):
-        mark("get_output>")
-        try:
-            return original_get_output(self)
-        finally:
-            mark("get_output<")
-
-    AsyncModelRunnerOutput.get_output = get_output
-
-    def undo():
-        AsyncModelRunnerOutput.get_output = original_get_output
-        for owner, method, before in restore:
-            if before is None:
-                delattr(owner, method)
-            else:
-                setattr(owner, method, before)
-    return marks, undo
+    return marks, patch_engine(engine, TIMELINE_MARKS, marked, marked_get_output)
 
 
 def print_timeline(marks: list[tuple[str, torch.cuda.Event, float]], steps: int) -> None:
