@@ -107,6 +107,10 @@ def test_trim_on_device_recuts_every_per_token_buffer():
     assert common.seq_lens_cpu.tolist() == seq_lens  # the host keeps the scheduled lengths as an upper bound
     # The pinned host buffer still holds the scheduled offsets: its copy to the device may not have run yet.
     assert batch.query_start_loc.np[:4].tolist() == [0, 4, 8, 12]
+    # The next step of the same rows sends its offsets again: the device's are the trim's, not the host's (a step
+    # whose offsets match the last ones sent otherwise skips that copy).
+    again = batch.prepare(out, kv)
+    assert again.query_start_loc.tolist() == [0, 4, 8, 12] and batch.input_ids.gpu[:12].tolist() == ids
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
