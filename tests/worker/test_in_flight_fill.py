@@ -36,7 +36,8 @@ def random_step(rng: np.random.Generator, device: str, K: int, num_rows: int, bl
             continue  # a row with nothing in flight
         anchor = first if kind != AnchorKind.NONE else -1
         src = int(rng.integers(0, num_sampled if kind == AnchorKind.SAMPLED else num_verified))
-        spec = int(rng.integers(1, K + 1)) if kind == AnchorKind.VERIFIED else 0
+        # A verify row in flight emits at most 1 + its drafts: the row moves back by 0..spec tokens.
+        spec = int(rng.integers(max(1, emitted[src] - 1), K + 1)) if kind == AnchorKind.VERIFIED else 0
         num_drafts = length - 1 if length > 1 and (choice == 2 or rng.random() < 0.7) else 0
         desc.append((row, anchor, int(kind), src if anchor >= 0 else 0, first, length, spec, first + 1,
                      int(rng.integers(0, num_rows)) if num_drafts else 0, num_drafts))
