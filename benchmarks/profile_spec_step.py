@@ -17,6 +17,7 @@ import collections
 import cProfile
 import functools
 import io
+import itertools
 import json
 import pstats
 import time
@@ -172,7 +173,7 @@ def print_timeline(marks: list[tuple[str, torch.cuda.Event, float]], steps: int)
     for the host's launches; where it takes longer, the host ran ahead (and waits for it later)."""
     torch.cuda.synchronize()
     spans = collections.defaultdict(list)
-    for (a, ea, ta), (b, eb, tb) in zip(marks, marks[1:]):
+    for (a, ea, ta), (b, eb, tb) in itertools.pairwise(marks):
         spans[f"{a} -> {b}"].append((ea.elapsed_time(eb) * 1e3, (tb - ta) * 1e6))
     print(f"device timeline: transitions between marks (median us; total us per step over {steps} steps)")
     print(f"  {'transition':62s} {'count':>5s} {'device':>8s} {'host':>8s} {'dev/step':>9s} {'host/step':>9s}")
