@@ -276,7 +276,7 @@ class InputBatch:
         n = len(rows)
         if all(a == i and not d and sample_rows.get(rid) == i for i, (_, rid, a, *_, d) in enumerate(rows)):
             # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
-            self.input_ids.gpu[:n].copy_(step.sampled[:n])
+            self.input_ids.prefix(n)[1].copy_(step.sampled[:n])
             return
         desc = []
         for row, rid, anchor, first, length, spec, draft_pos, num_drafts in rows:
