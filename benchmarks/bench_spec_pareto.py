@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             if isinstance(verifier, AdaptiveVerifier):
                 # Cumulative over the engine's life (warm-ups and earlier concurrencies included).
                 row["adaptive_drafts_kept"] = verifier.num_kept / max(verifier.num_offered, 1)
+                # The host time per step the budget weighed last (a moving average of the latest steps).
+                row["adaptive_host_step_ms"] = 1e3 * verifier.host.seconds
                 row["adaptive_cost_tables_ms"] = {
                     "verify": {int(n): 1e3 * float(c) for n, c in zip(verifier.costs.verify.sizes,
                                                                        verifier.costs.verify.costs)},

@@ -1,5 +1,5 @@
 """Where a speculative decode step's time goes on the built-in model: host by Python function (cProfile), device
-by kernel (torch.profiler), for one request generating greedily.
+by kernel (torch.profiler), for one request (or `--concurrency` requests, submitted together) generating greedily.
 
     python benchmarks/profile_spec_step.py --spec '{"method": "dspark", "num_speculative_tokens": 3}'
 
@@ -188,6 +188,7 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="the --speculative-config JSON (none: no speculation)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests per run, submitted together")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--async-scheduling", choices=("on", "off"), default=None,
@@ -198,11 +199,12 @@ def main() -> None:
         spec.setdefault("model", str(DEFAULT_DSPARK_DIR))
     llm = LLM(device=args.device, max_model_len=1024, gpu_memory_utilization=0.3, speculative_config=spec,
               async_scheduling=None if args.async_scheduling is None else args.async_scheduling == "on")
-    prompt = {"prompt_token_ids": heldout_code_windows(llm.get_tokenizer(), [64])[0]}
+    prompts = [{"prompt_token_ids": ids} for ids in heldout_code_windows(llm.get_tokenizer(),
+                                                                          [64] * args.concurrency)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
     def run():
-        return llm.generate([prompt], params, use_tqdm=False)
+        return llm.generate(prompts, params, use_tqdm=False)
 
     run()
     runner = llm.llm_engine.runner
@@ -214,7 +216,7 @@ def main() -> None:
         out = run()
         sync(args.device)
         walls.append(time.perf_counter() - t0)
-    steps = out[0].metrics.spec_num_drafts or args.output_len
+    steps = max(o.metrics.spec_num_drafts for o in out) or args.output_len  # the run lasts as long as its longest
     wall = sorted(walls)[len(walls) // 2]
     print("step paths over the timed runs:", dict(paths))
     print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "

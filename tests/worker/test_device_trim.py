@@ -163,6 +163,9 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     assert calls and budgets, "all-verify steps ran through the adaptive hook"
     assert all(sum(h) == sum(d) and all(1 <= n <= 4 for n in h + d) for h, d in calls)
     assert any(h == [3, 3] and d in ([4, 2], [2, 4]) for h, d in calls), calls
+    # The engine timed its all-verify steps' host work for the budget, which weighs it as async scheduling runs.
+    assert verifier.host is llm.llm_engine.runner.host_step_time and verifier.host.seconds > 0
+    assert verifier.overlapped is async_scheduling
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 

@@ -59,6 +59,7 @@ class LLMEngine:
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
         self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
+        self._waited = 0.0  # seconds the current step() waited for the device (the rest is host work)
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -173,6 +174,7 @@ class LLMEngine:
         """Schedules and queues one step. Synchronously, returns its outputs. With async scheduling, returns the
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
+        start, self._waited = time.perf_counter(), 0.0
         outputs = []
         if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
             outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
@@ -199,6 +201,9 @@ class LLMEngine:
             outputs += self._drain()
         if self.runner.drafter is not None:
             self._take_device_drafts(launched)
+        host = self.runner.host_step_time
+        if host is not None and all(s.draft_token_ids for s in rows):  # the steps adaptive verification plans
+            host.record(time.perf_counter() - start - self._waited)
         return outputs
 
     def _needs_history(self) -> bool:
@@ -215,7 +220,9 @@ class LLMEngine:
             return []
         sched, launched = self.in_flight
         self.in_flight = None
-        return self._process_step(sched, launched.get_output())
+        result = launched.get_output()
+        self._waited += launched.waited
+        return self._process_step(sched, result)
 
     def _process_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         for s in sched.scheduled:

@@ -66,21 +66,44 @@ class CostCurve:
 class VerifyCosts:
     draft: CostCurve  # by number of requests drafted for
     verify: CostCurve  # by target tokens in the step
+    # (requests, non-draft tokens, largest budget) -> the step's cost at each budget 0..largest: a step at a
+    # steady concurrency asks for the same vector every time, and building it is most of the budget's host work.
+    _steps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+
+    def step_costs(self, num_reqs: int, num_non_draft_tokens: int, max_budget: int) -> np.ndarray:
+        """draft[num_reqs] + verify[T0 + b] for b in 0..max_budget (never below MIN_VERIFY_COST)."""
+        key = (num_reqs, num_non_draft_tokens, max_budget)
+        cost = self._steps.get(key)
+        if cost is None:
+            verify = self.verify.at(num_non_draft_tokens + np.arange(max_budget + 1))
+            cost = self._steps[key] = self.draft(num_reqs) + np.maximum(verify, MIN_VERIFY_COST)
+        return cost
 
 
 def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling_reqs: int, num_reqs: int,
-                  max_total_logits: int, num_bonus: int, costs: VerifyCosts) -> int:
-    """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / (draft_cost[num_reqs] + verify_cost[T0 + b]).
+                  max_total_logits: int, num_bonus: int, costs: VerifyCosts, host_seconds: float = 0.0,
+                  overlapped: bool = True) -> int:
+    """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / step_cost(b), where the device's part of a step
+    is device(b) = draft_cost[num_reqs] + verify_cost[T0 + b] and the host's is host_seconds (its own work per
+    step, HostStepTime): step_cost(b) = max(host, device(b)) when the host prepares a step while the device runs
+    the last one (async scheduling, `overlapped`), host + device(b) when it waits for each step. With no host
+    time this is upstream's formula.
 
     survivals: every scheduled draft slot's survival (the running product of its request's confidences), any
     order; T0 = num_non_draft_tokens; N_s = num_sampling_reqs; B_max = min(slots, max_total_logits - num_reqs *
     num_bonus), so the step's logits fit one rejection-sampler chunk. Ties go to the smaller budget."""
-    S = np.sort(np.asarray(survivals, dtype=np.float64))[::-1]
+    S = np.sort(survivals)[::-1]
     b_max = max(0, min(len(S), max_total_logits - num_reqs * num_bonus))
-    gain = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(S[:b_max])])
-    verify = costs.verify.at(num_non_draft_tokens + np.arange(b_max + 1))
-    cost = costs.draft(num_reqs) + np.maximum(verify, MIN_VERIFY_COST)
-    return int(np.argmax(gain / cost))
+    gain = np.empty(b_max + 1)
+    gain[0] = 0.0
+    np.cumsum(S[:b_max], out=gain[1:])
+    gain += num_sampling_reqs
+    device = costs.step_costs(num_reqs, num_non_draft_tokens, b_max)
+    if host_seconds > 0:
+        gain /= np.maximum(device, host_seconds) if overlapped else device + host_seconds
+    else:
+        gain /= device
+    return int(gain.argmax())
 
 
 def even_split(budget: int, num_drafts: list[int]) -> list[int]:
@@ -115,6 +138,20 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
     return keep.view(R, K).sum(1, dtype=torch.int32)
 
 
+@dataclass(slots=True)
+class HostStepTime:
+    """The host's own work per all-verify step (scheduling, launching, processing the outputs; its waits for the
+    device left out), as an exponential moving average over steps. The cost tables time the device alone, but a
+    step also costs the host's time: under async scheduling it overlaps the device's, so once the host is the
+    slower side, verifying fewer drafts shortens nothing (docs/spec_decode.md, "Adaptive verification", has the
+    H200 case where the device tables alone trimmed at a loss)."""
+    smoothing: float = 0.1  # weight of the newest step: about the last 10-20 steps count
+    seconds: float = 0.0  # 0: nothing recorded yet (the budget then weighs the device alone)
+
+    def record(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds == 0.0 else self.seconds + self.smoothing * (seconds - self.seconds)
+
+
 class AdaptiveVerifier:
     """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
 
@@ -122,8 +159,11 @@ class AdaptiveVerifier:
     stale under async scheduling), b* from the cost tables, the host's even split for the metadata, and the
     device's survival split from the device table."""
 
-    def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int) -> None:
+    def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int,
+                 host: HostStepTime | None = None, overlapped: bool = True) -> None:
         self.confidences, self.costs, self.max_total_logits = confidences, costs, max_total_logits
+        self.host = host if host is not None else HostStepTime()  # the engine records into it
+        self.overlapped = overlapped  # async scheduling: a step costs max(host, device), else their sum
         self.last_budget: int | None = None  # for tests and logs
         self.num_offered = self.num_kept = 0  # drafts scheduled in all-verify steps, and those the budgets kept
         self._full: torch.Tensor | None = None  # K drafts per row, for steps where every row has all K
@@ -139,12 +179,14 @@ class AdaptiveVerifier:
         device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
         K = self.confidences.num_spec
         # Every scheduled slot's survival: the running product of its row's confidences, up to the row's drafts.
-        survivals = np.cumprod(host_conf, axis=1)[np.arange(K)[None, :] < drafts[:, None]]
-        budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs)
-        self.last_budget = budget
-        self.num_offered += int(drafts.sum())
+        survivals = np.cumprod(host_conf, axis=1)
+        survivals = survivals.ravel() if drafts.min() == K else survivals[np.arange(K)[None, :] < drafts[:, None]]
+        budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs,
+                               self.host.seconds, self.overlapped)
+        self.last_budget, offered = budget, int(drafts.sum())
+        self.num_offered += offered
         self.num_kept += budget
-        if budget == drafts.sum():
+        if budget == offered:
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         host = [1 + c for c in even_split(budget, drafts)]
         device_drafts = self._full_rows(len(rows), device_conf.device) if (drafts == K).all() \
@@ -166,6 +208,11 @@ class DraftConfidences:
         self.device: torch.Tensor | None = None
         # Host copies not known to have landed yet, oldest first: (rows, copy, event recorded behind it).
         self._pending: list[tuple[dict[str, int], torch.Tensor, torch.cuda.Event | None]] = []
+        # Two pinned buffers and their events, used in turn (CUDA only): at most two copies are pending, and a
+        # copy's buffer is taken again only after it landed (and was copied out) or was superseded.
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
+        self._turn = 0
         self.host_index: dict[str, int] = {}
         self.host: np.ndarray | None = None
 
@@ -174,20 +221,27 @@ class DraftConfidences:
         del self._pending[:-1]  # at most two in flight: an older copy is superseded by a newer one
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.device = device
-        event = None
-        if device.is_cuda:
-            event = torch.cuda.Event()
-            host = device.to("cpu", non_blocking=True)
-            event.record()
-        else:
-            host = device.clone()
+        if not device.is_cuda:
+            self._pending.append((self.index, device.clone(), None))
+            return
+        if not self._buffers or self._buffers[0].shape[0] < device.shape[0]:
+            # Grown buffers: a pending copy keeps its old buffer alive through its own reference.
+            rows = max(device.shape[0], 64)
+            self._buffers = [torch.empty(rows, self.num_spec, dtype=device.dtype, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn ^= 1
+        host = self._buffers[self._turn][:device.shape[0]]
+        host.copy_(device, non_blocking=True)
+        event = self._events[self._turn]
+        event.record()
         self._pending.append((self.index, host, event))
 
     def _landed(self) -> None:
         """Takes the newest host copy whose event has completed (a query, never a wait)."""
         while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
             index, host, _ = self._pending.pop(0)
-            self.host_index, self.host = index, host.float().numpy()
+            # A copy out of the pinned buffer, which a later update writes again.
+            self.host_index, self.host = index, host.float().numpy().copy()
 
     def rows(self, request_ids: list[str]) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of these requests: device [R, K] float32 from the latest table, host [R, K] from the newest
@@ -196,13 +250,15 @@ class DraftConfidences:
         K = self.num_spec
         if self.host is None:
             host_rows = np.ones((len(request_ids), K), dtype=np.float32)
+        elif _same_order(request_ids, self.host_index):
+            host_rows = self.host
         else:
             host_rows = np.concatenate([self.host, np.ones((1, K), dtype=np.float32)])[
                 [self.host_index.get(rid, -1) for rid in request_ids]]
         if self.device is None:
             return async_tensor_h2d(np.ones((len(request_ids), K), dtype=np.float32), torch.float32,
                                     self.table_device), host_rows
-        if len(request_ids) == len(self.index) and all(map(str.__eq__, request_ids, self.index)):
+        if _same_order(request_ids, self.index):
             # The steady state: the same requests in the order they were drafted, so the table is the step's
             # rows as it stands (no gather: each eager op here runs before the step's graph, unoverlapped).
             return self.device.float(), host_rows
@@ -211,3 +267,8 @@ class DraftConfidences:
         table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])
         idx = async_tensor_h2d(picks, torch.int64, table.device)  # pinned: a pageable copy would wait for the GPU
         return table[idx], host_rows
+
+
+def _same_order(request_ids: list[str], index: dict[str, int]) -> bool:
+    """Whether `index` numbers exactly these requests in this order (dicts keep insertion order)."""
+    return len(request_ids) == len(index) and all(map(str.__eq__, request_ids, index))

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences,
+from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, HostStepTime,
                                         VerifyCosts)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
@@ -97,6 +97,7 @@ class AsyncModelRunnerOutput:
     draft_rows: list[str] = field(default_factory=list)  # requests the DSpark draft proposed for, in order
     drafts: torch.Tensor | None = None  # device [draft rows, K]
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
+    waited: float = 0.0  # seconds get_output() waited for the device
 
     @property
     def in_flight_tokens(self) -> InFlightTokens | None:
@@ -111,7 +112,9 @@ class AsyncModelRunnerOutput:
     def get_output(self) -> ModelRunnerOutput:
         """Waits for the step's results (the one host-device synchronisation of a step) and returns them."""
         if self.done is not None:
+            start = time.perf_counter()
             self.done.synchronize()
+            self.waited = time.perf_counter() - start
         result = ModelRunnerOutput()
         if self.sampled_host is not None:
             ids = self.sampled_host.tolist()
@@ -167,6 +170,8 @@ class ModelRunner:
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None
+        # Adaptive verification's host time per all-verify step: the engine records it, the budget reads it.
+        self.host_step_time: HostStepTime | None = None
         self.dispatcher = CudaGraphDispatcher([])
         self.graphs: CUDAGraphRunner | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
@@ -241,8 +246,10 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
             self._check_adaptive_gates()
+            self.host_step_time = HostStepTime()
             self.set_device_trim_hook(AdaptiveVerifier(self.confidences, self._profile_step_costs(descs),
-                                                       self.config.scheduler_config.max_num_batched_tokens))
+                                                       sc.max_num_batched_tokens, self.host_step_time,
+                                                       overlapped=sc.async_scheduling))
         return kv
 
     @torch.inference_mode()
