@@ -199,3 +199,28 @@ def test_host_copies_land_in_turn_and_outlive_the_buffer_they_came_from():
     torch.cuda.synchronize()
     device, host = conf.rows(["c", "a"])
     assert np.array_equal(host, tables[3].cpu().numpy()[[2, 0]]) and torch.equal(device, tables[3][[2, 0]])
+
+
+def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
+    """Under async scheduling, when the host's time per step is at least the device's with every draft verified,
+    no budget shortens the step: the hook keeps every draft without reading the confidences. Below that, or
+    when the host waits for each step (the same 50 then adds to each budget's cost), the budget decides: here it
+    trims."""
+    from types import SimpleNamespace
+
+    class Unread(DraftConfidences):
+        def rows(self, request_ids):
+            raise AssertionError("a host-bound step read the confidences")
+
+    step = SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r), draft_token_ids=[7] * 3)
+                                      for r in ("a", "b")])
+    steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
+                        CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
+    verifier = AdaptiveVerifier(Unread(3, torch.device("cpu")), steep, 1024, HostStepTime(seconds=50.0))
+    assert verifier(step, None) is None
+    assert (verifier.last_budget, verifier.num_offered, verifier.num_kept) == (6, 6, 6)
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
+    for host, overlapped in ((HostStepTime(seconds=1.0), True), (HostStepTime(seconds=50.0), False)):
+        host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, host, overlapped)(step, None)
+        assert sum(host_lens) == int(device_lens.sum()) < 8

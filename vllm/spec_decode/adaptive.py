@@ -176,14 +176,22 @@ class AdaptiveVerifier:
     def __call__(self, out, common) -> tuple[list[int], torch.Tensor] | None:
         rows = out.scheduled
         drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, len(rows))
-        device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
-        K = self.confidences.num_spec
-        # Every scheduled slot's survival: the running product of its row's confidences, up to the row's drafts.
-        survivals = np.cumprod(host_conf, axis=1)
-        survivals = survivals.ravel() if drafts.min() == K else survivals[np.arange(K)[None, :] < drafts[:, None]]
-        budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1, self.costs,
-                               self.host.seconds, self.overlapped)
-        self.last_budget, offered = budget, int(drafts.sum())
+        offered = int(drafts.sum())
+        if self.overlapped and offered <= self.max_total_logits - len(rows) \
+                and self.host.seconds >= self.costs.step_costs(len(rows), len(rows), offered)[-1]:
+            # The host is the slower side even with every draft verified: no budget shortens the step, and
+            # choose_budget would keep every draft (short of drafts whose survival is 0). Skip reading confidences.
+            budget = offered
+        else:
+            device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
+            K = self.confidences.num_spec
+            # Every scheduled slot's survival: the running product of its row's confidences, up to its drafts.
+            survivals = np.cumprod(host_conf, axis=1)
+            survivals = survivals.ravel() if drafts.min() == K \
+                else survivals[np.arange(K)[None, :] < drafts[:, None]]
+            budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1,
+                                   self.costs, self.host.seconds, self.overlapped)
+        self.last_budget = budget
         self.num_offered += offered
         self.num_kept += budget
         if budget == offered:

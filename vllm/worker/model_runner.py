@@ -246,7 +246,8 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
             self._check_adaptive_gates()
-            self.host_step_time = HostStepTime()
+            # Off CUDA the host runs the forward itself: there is no host time apart from the device's to weigh.
+            self.host_step_time = HostStepTime() if self.device.type == "cuda" else None
             self.set_device_trim_hook(AdaptiveVerifier(self.confidences, self._profile_step_costs(descs),
                                                        sc.max_num_batched_tokens, self.host_step_time,
                                                        overlapped=sc.async_scheduling))
@@ -421,15 +422,8 @@ class ModelRunner:
         context = max(1, min(sc.max_model_len - per_req, 1024))
         verify, draft = {}, {}
         for n_tokens in sizes:
-            n_reqs = -(-n_tokens // per_req)
-            lens = np.full(n_reqs, per_req)
-            lens[-1] = n_tokens - per_req * (n_reqs - 1)
-            self.input_batch.fill_dummy(lens, np.full(n_reqs, context), np.zeros(n_reqs, dtype=bool))
-            common = self.input_batch.dummy_metadata(n_reqs, n_tokens, per_req, context + per_req)
-            desc = self._graph_for(common)
-            if desc is not None:
-                self.input_batch.pad_for_graph(n_reqs, n_tokens, desc.num_reqs, desc.num_tokens)
-            run = (lambda: self.graphs.replay(desc)) if desc is not None else (lambda: self._forward(n_tokens, common))
+            common, _, run = self.dummy_decode_step(n_tokens, context)
+            n_reqs = common.num_reqs
             verify[n_tokens] = self._timed(run, repeats)
             zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
             draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs],
@@ -441,6 +435,24 @@ class ModelRunner:
                     {n: round(costs.verify(n) * 1e3, 3) for n in verify}, {n: round(costs.draft(n) * 1e3, 3)
                                                                            for n in draft})
         return costs
+
+    def dummy_decode_step(self, num_tokens: int, context: int
+                          ) -> tuple[CommonAttentionMetadata, BatchDescriptor | None, Callable[[], object]]:
+        """A decode or verify step of `num_tokens` tokens on harmless inputs (InputBatch.fill_dummy): rows of 1+K
+        tokens (the last one shorter) over `context` cached tokens each. Returns its metadata, the graph it
+        replays (None: eager) and a function that runs its forward, padded for that graph; for the cost tables
+        and benchmarks/profile_step_sizes.py. Valid until the input batch is refilled."""
+        per_req = 1 + self.num_spec
+        n_reqs = -(-num_tokens // per_req)
+        lens = np.full(n_reqs, per_req)
+        lens[-1] = num_tokens - per_req * (n_reqs - 1)
+        self.input_batch.fill_dummy(lens, np.full(n_reqs, context), np.zeros(n_reqs, dtype=bool))
+        common = self.input_batch.dummy_metadata(n_reqs, num_tokens, per_req, context + per_req)
+        desc = self._graph_for(common)
+        if desc is None:
+            return common, None, lambda: self._forward(num_tokens, common)
+        self.input_batch.pad_for_graph(n_reqs, num_tokens, desc.num_reqs, desc.num_tokens)
+        return common, desc, lambda: self.graphs.replay(desc)
 
     def _timed(self, fn: Callable[[], object], repeats: int) -> list[float]:
         times = []
