@@ -111,7 +111,7 @@ def test_the_served_rope_table_gives_the_computed_angles(draft):
         with torch.inference_mode():
             positions = torch.tensor([[0, 5, 19], [3, 11, 7]])
             cfg = draft.config
-            assert torch.equal(draft.rope_factors(positions),
+            assert torch.equal(draft.rope_factors_at(positions),
                                rope_factors(positions, cfg.qk_rope_head_dim, cfg.rope_theta))
             served = _propose(draft, target, *args)
             draft.rope_table[:, 1].zero_()  # the table is what serving reads: a wrong one shows

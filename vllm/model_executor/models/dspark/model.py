@@ -160,7 +160,7 @@ class DSparkDraftModel(nn.Module):
         self.fused_kv_a_weight: torch.Tensor | None = None
         self.rope_table: torch.Tensor | None = None  # build_rope_table
 
-    def rope_factors(self, positions: torch.Tensor) -> torch.Tensor:
+    def rope_factors_at(self, positions: torch.Tensor) -> torch.Tensor:
         """rope_factors [..., 2, R] at `positions`: from the table when serving (one lookup per call, shared by
         the layers), else computed (training)."""
         cfg = self.config
@@ -193,7 +193,7 @@ class DSparkDraftModel(nn.Module):
         """Each layer's cached latents [..., L + R] of context tokens [..., n_layers * D_target] at positions."""
         c = _norm(self.context_norm, self.context_proj(target_hidden))
         parts = F.linear(c, self.fused_kv_a_weight).split(self.config.mla_cache_dim, dim=-1)
-        factors = self.rope_factors(positions)
+        factors = self.rope_factors_at(positions)
         return [layer.self_attn.latent(part, factors) for layer, part in zip(self.layers, parts)]
 
     def write_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -218,7 +218,7 @@ class DSparkDraftModel(nn.Module):
                  mask: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, Q, D] of block tokens x [N, Q, D]; contexts: each layer's [N, C, L + R]
         latents; mask [N, Q, C + Q] (see DSparkAttention.forward)."""
-        factors = self.rope_factors(positions)
+        factors = self.rope_factors_at(positions)
         for layer, context in zip(self.layers, contexts):
             x = x + layer.self_attn(_norm(layer.input_layernorm, x), factors, context.to(x.dtype), mask)
             x = x + layer.mlp(_norm(layer.post_attention_layernorm, x))
