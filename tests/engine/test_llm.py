@@ -162,9 +162,10 @@ def test_min_tokens_holds_back_eos(make_llm):
 @pytest.mark.parametrize("prompt, params, fragment", [
     ({"prompt_token_ids": list(range(5, 300))}, GREEDY, "--max-model-len is 256"),
     ({"prompt_token_ids": list(range(5, 250))}, SamplingParams(max_tokens=20), "exceeds --max-model-len (256)"),
-    ("", GREEDY, "empty"),
-    ({"prompt_token_ids": []}, GREEDY, "empty"),
-    ({"prompt_token_ids": [5, 4096, -1]}, GREEDY, "outside the vocabulary [0, 4096)"),
+    ("", GREEDY, "the decoder prompt cannot be empty"),
+    ({"prompt_token_ids": []}, GREEDY, "the decoder prompt cannot be empty"),
+    ({"prompt_token_ids": [5, 4096, -1]}, GREEDY, "token id 4096 is out of vocabulary (ids are in [0, 4096))"),
+    ({"prompt_token_ids": [5, 2.0]}, GREEDY, "prompt token ids must be integers, got [2.0]"),
 ])
 def test_bad_requests_raise_and_engine_keeps_working(make_llm, prompt, params, fragment):
     llm = make_llm()

@@ -17,6 +17,7 @@ from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
+from vllm.inputs.validation import prompt_problem
 from vllm.outputs import RequestOutput
 from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
 from vllm.sample.penalties import PenaltyCounts
@@ -83,12 +84,9 @@ class LLMEngine:
             text, ids = None, list(prompt)
         else:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        # A "" text would still encode to [bos]; it is an empty prompt all the same.
-        if not ids or text == "":
-            raise ValueError("the prompt is empty: it needs at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        problem = prompt_problem(ids, self.vocab_size, text)
+        if problem is not None:
+            raise ValueError(problem)
         return text, ids
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

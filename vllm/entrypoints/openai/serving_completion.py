@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.openai.protocol import APIError, CompletionRequest
 from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
                                                     started, until_disconnect)
+from vllm.inputs.validation import prompt_problem
 from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 
 
@@ -43,16 +44,13 @@ class OpenAIServingCompletion(OpenAIServing):
         return await until_disconnect(raw, run.full(outputs))
 
     def check_prompts(self, prompts: list[str] | list[list[int]]) -> None:
-        """The prompt errors upstream answers before the engine sees them, in its words (clients match on them):
-        an empty prompt, and token ids past the vocabulary."""
+        """The engine's prompt checks (vllm.inputs.validation), answered before any prompt of the call starts,
+        naming the prompt at fault."""
         vocab = self.engine.config.model_config.hf_config.vocab_size
         for i, p in enumerate(prompts):
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            if len(p) == 0:
-                raise APIError(400, f"{where}: the decoder prompt cannot be empty: give at least one token", "prompt")
-            if isinstance(p, list) and (bad := [t for t in p if not 0 <= t < vocab]):
-                raise APIError(400, f"{where}: token id {bad[0]} is out of vocabulary (ids are in [0, {vocab})); "
-                                    f"out-of-vocabulary ids: {bad[:5]}", "prompt")
+            problem = prompt_problem(p, vocab) if isinstance(p, list) else prompt_problem(None, vocab, p)
+            if problem is not None:
+                raise APIError(400, f"{'prompt' if len(prompts) == 1 else f'prompt[{i}]'}: {problem}", "prompt")
 
 
 class _Run:
