@@ -8,6 +8,7 @@ engine's lossless runs use the draft trained for the built-in model, whose draft
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,58 @@ def test_dspark_is_lossless_under_chunking_preemption_and_aborts():
     assert sorted(done) == ["r0", "r2", "r3", "r5"]
     assert [done[f"r{i}"] for i in (0, 2, 3, 5)] == [want[i] for i in (0, 2, 3, 5)]
     engine.kv_cache_manager.assert_all_free()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_time(monkeypatch, async_scheduling):
+    """The host time adaptive verification weighs: the loop's period from one all-verify step to the next, less
+    the step's waits for the device, and never the idle time after the last request. On a fake clock each
+    launch costs 1 s of host work and each wait for the device 10 s, and 100 s pass between two batches, the
+    first of which ends in an all-verify step: every sample is exactly 1 s (a sample without the waits
+    subtracted would be 11; one over the idle gap, 100+)."""
+    from types import SimpleNamespace
+
+    from vllm.engine import llm_engine
+    from vllm.spec_decode.adaptive import HostStepTime
+    from vllm.worker.model_runner import AsyncModelRunnerOutput
+
+    class Samples(HostStepTime):
+        def __init__(self):
+            super().__init__()
+            self.samples = []
+
+        def record(self, seconds):
+            self.samples.append(seconds)
+
+    clock = [0.0]
+    monkeypatch.setattr(llm_engine, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic))
+    get_output = AsyncModelRunnerOutput.get_output
+
+    def waiting(self):
+        clock[0] += 10.0
+        out = get_output(self)
+        self.waited = 10.0
+        return out
+
+    monkeypatch.setattr(AsyncModelRunnerOutput, "get_output", waiting)
+    llm = _llm(str(DEFAULT_DSPARK_DIR), 3, async_scheduling=async_scheduling)
+    runner = llm.llm_engine.runner
+    runner.host_step_time = Samples()  # off CUDA the engine records nothing unless given somewhere to
+    execute_model = runner.execute_model
+
+    def launching(*args):
+        clock[0] += 1.0
+        return execute_model(*args)
+
+    runner.execute_model = launching
+    # Alone, and stopped by a token that its 10th output is the first of: its last step verifies drafts.
+    stopped = llm.generate(CODE_PROMPTS[2:3], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[270]),
+                           use_tqdm=False)
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    clock[0] += 100.0
+    llm.generate(CODE_PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    samples = runner.host_step_time.samples
+    assert len(samples) >= 4 and samples == [1.0] * len(samples)
 
 
 def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):

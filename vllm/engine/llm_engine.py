@@ -60,7 +60,10 @@ class LLMEngine:
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
         self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
-        self._waited = 0.0  # seconds the current step() waited for the device (the rest is host work)
+        # Adaptive verification's host time (runner.host_step_time): when the last step started, if every row of
+        # it verified drafts, and how long that step waited for the device.
+        self._verify_step_start: float | None = None
+        self._waited = 0.0
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -172,7 +175,14 @@ class LLMEngine:
         """Schedules and queues one step. Synchronously, returns its outputs. With async scheduling, returns the
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
-        start, self._waited = time.perf_counter(), 0.0
+        start = time.perf_counter()
+        if self._verify_step_start is not None:
+            # The loop's period from the last all-verify step to this one, less its waits for the device: the
+            # host's work per step, including what the caller does between steps (the engine core process packs
+            # and sends each step's outputs). Only timed when that step left work, so no idle time falls in it.
+            self.runner.host_step_time.record(start - self._verify_step_start - self._waited)
+            self._verify_step_start = None
+        self._waited = 0.0
         outputs = []
         if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
             outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
@@ -199,9 +209,9 @@ class LLMEngine:
             outputs += self._drain()
         if self.runner.drafter is not None:
             self._take_device_drafts(launched)
-        host = self.runner.host_step_time
-        if host is not None and all(s.draft_token_ids for s in rows):  # the steps adaptive verification plans
-            host.record(time.perf_counter() - start - self._waited)
+        if self.runner.host_step_time is not None and all(s.draft_token_ids for s in rows) \
+                and self.has_unfinished_requests():
+            self._verify_step_start = start  # the steps adaptive verification plans: timed up to the next step
         return outputs
 
     def _needs_history(self) -> bool:

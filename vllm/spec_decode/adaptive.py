@@ -140,11 +140,12 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
 
 @dataclass(slots=True)
 class HostStepTime:
-    """The host's own work per all-verify step (scheduling, launching, processing the outputs; its waits for the
-    device left out), as an exponential moving average over steps. The cost tables time the device alone, but a
-    step also costs the host's time: under async scheduling it overlaps the device's, so once the host is the
-    slower side, verifying fewer drafts shortens nothing (docs/spec_decode.md, "Adaptive verification", has the
-    H200 case where the device tables alone trimmed at a loss)."""
+    """The host's own work per all-verify step, as an exponential moving average over steps: the engine loop's
+    period from one such step to the next (scheduling, launching, processing and sending the outputs), less its
+    waits for the device. The cost tables time the device alone, but a step also costs the host's time: under
+    async scheduling it overlaps the device's, so once the host is the slower side, verifying fewer drafts
+    shortens nothing (docs/spec_decode.md, "Adaptive verification", has the H200 case where the device tables
+    alone trimmed at a loss)."""
     smoothing: float = 0.1  # weight of the newest step: about the last 10-20 steps count
     seconds: float = 0.0  # 0: nothing recorded yet (the budget then weighs the device alone)
 
