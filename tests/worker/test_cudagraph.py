@@ -161,6 +161,15 @@ def test_default_capture_sizes_cover_every_full_decode_batch():
     assert capture_sizes(cfg, 256, 96, 0)[-1] == 96  # the token budget bounds a decode batch too
 
 
+@pytest.mark.parametrize("k", range(1, 8))
+def test_verify_batches_of_the_default_request_counts_fill_their_graphs(k):
+    """A verify batch of n requests (n = 1, 2, 4, 8, 16, 24, ...) has n * (1+K) tokens and replays a graph of
+    exactly that size: rounding the token sizes alone left K=2's 4 requests (12 tokens) padded to 18."""
+    sizes = capture_sizes(CompilationConfig(), max_num_seqs=64, max_num_batched_tokens=2048, num_speculative_tokens=k)
+    assert all(n * (1 + k) in sizes for n in (1, 2, 4, 8, *range(16, 65, 8)))
+    assert all(n % (1 + k) == 0 for n in sizes) and sizes[-1] == 64 * (1 + k)
+
+
 def test_graphs_are_the_default_on_cuda_only():
     assert CompilationConfig().resolved_mode(torch.device("cuda")) == "FULL_AND_PIECEWISE"
     assert CompilationConfig().resolved_mode(torch.device("cpu")) == "NONE"

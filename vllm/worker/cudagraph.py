@@ -48,8 +48,11 @@ def capture_sizes(config: CompilationConfig, max_num_seqs: int, max_num_batched_
     """Token counts to capture, ascending.
 
     With K drafts a verify row has 1+K tokens, so sizes are rounded up to multiples of 1+K: a pure verify batch
-    then fills a graph without padding rows. A decode batch never has more than max_num_seqs * (1+K) tokens nor
-    more than the token budget, so larger graphs would never replay, and the default sizes reach exactly that.
+    then fills a graph without padding rows. The default sizes are also read as request counts, each times 1+K:
+    rounding alone leaves gaps among the small sizes, where padding costs most (K=2: 1, 2, 4, 8, 16 become 3,
+    6, 9, 18, and 4 requests' 12 tokens padded to 18). A decode batch never has more than max_num_seqs * (1+K)
+    tokens nor more than the token budget, so larger graphs would never replay, and the default sizes reach
+    exactly that.
     """
     sizes = config.cudagraph_capture_sizes
     step = 1 + num_speculative_tokens
@@ -61,6 +64,8 @@ def capture_sizes(config: CompilationConfig, max_num_seqs: int, max_num_batched_
                                                                      *range(544, limit + 1, 32)) if n <= limit]
         if config.max_cudagraph_capture_size is None and sizes[-1] < limit:
             sizes.append(limit)  # the largest decode batch there can be
+        if step > 1:
+            sizes += [n * step for n in sizes if n * step <= limit]  # verify batches of n requests
     return sorted({n for n in (-(-n // step) * step for n in sizes) if n <= cap})
 
 
