@@ -39,7 +39,12 @@ def _vllm_sync_sites(run) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("adaptive", [False, True], ids=["dspark", "adaptive"])
-def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive):
+def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, monkeypatch):
+    """With adaptive verification every all-verify step is re-cut to half its drafts (the budget's choice
+    replaced), so the trim path (the device split, InputBatch.trim_on_device) is checked too: left to its costs
+    a host-bound step keeps every draft and never trims."""
+    from vllm.spec_decode import adaptive as adaptive_module
+    monkeypatch.setattr(adaptive_module, "choose_budget", lambda survivals, *a, **kw: len(survivals) // 2)
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=5)
     spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 3,
             "enable_adaptive_verification": adaptive}
@@ -47,6 +52,16 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive):
               speculative_config=spec,
               compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
     engine = llm.llm_engine
+    trims = []
+    if adaptive:
+        verifier = engine.runner.device_trim_hook
+        verifier.overlapped = False  # every all-verify step asks choose_budget
+
+        def counted(out, common):
+            trim = verifier(out, common)
+            trims.append(trim is not None)
+            return trim
+        engine.runner.device_trim_hook = counted
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 14)]
     llm.generate(prompts, params, use_tqdm=False)  # first-use allocations outside the count
@@ -60,3 +75,4 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive):
 
     assert _vllm_sync_sites(decode) == []
     assert engine.spec_decode_stats.num_draft_tokens > 0
+    assert any(trims) or not adaptive
