@@ -14,6 +14,10 @@ once), against the better of the run's copy bandwidth and the shared reference (
 TFLOP/s against the H200's bf16 dense peak (989 TFLOP/s) and against cuBLAS's bf16 GEMM measured in this run.
 
     python benchmarks/kernels/bench_fused_moe.py --out benchmarks/results/gpu/fused_moe.json [--sweep]
+    python benchmarks/kernels/bench_fused_moe.py --dtype float32 --shapes builtin --tokens 16,32,64,128,256,320 \
+        --sweep --sweep-shapes builtin --sweep-tokens 32,320 --out benchmarks/results/gpu/fused_moe_builtin.json
+
+TFLOP/s figures are against bf16 peaks whatever `--dtype` is (float32 runs on the FMA units, far below them).
 """
 from __future__ import annotations
 
@@ -41,7 +45,10 @@ H200_HBM_GBPS = 4800.0
 # (name, experts, top-k, hidden the experts read, expert intermediate). K3's experts read its latent width
 # (routed_expert_hidden_size 3584) with moe_intermediate_size 3072 and top-16 of 896; 256 of them fit here and
 # the per-expert bytes and FLOPs are K3's.
-SHAPES = {"kimi-linear-1b3": (32, 4, 2048, 704), "k3-experts": (256, 16, 3584, 3072)}
+# The built-in model's experts (8, top-2, latent width 128, intermediate 128) run in float32 (`--dtype float32`):
+# its verify steps of 64 requests x 5 tokens (640 pairs) take the prefill tiles, where they ran ~2.6x slower per
+# step than 256 tokens did (docs/spec_decode.md).
+SHAPES = {"kimi-linear-1b3": (32, 4, 2048, 704), "k3-experts": (256, 16, 3584, 3072), "builtin": (8, 2, 128, 128)}
 EVERY_EXPERT_MAX_BYTES = 4 << 30
 SILU = MoEActivation("silu")
 
@@ -96,7 +103,7 @@ def sweep_candidates(tokens: int) -> list[tuple[GemmConfig, GemmConfig]]:
         return [(GemmConfig(16, bn, bk, 4, st), GemmConfig(16, 2 * bn, bk, 4, st))
                 for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
     return [(GemmConfig(bm, bn, 64, w, st), GemmConfig(bm, 2 * bn, 64, w, st))
-            for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4)]
+            for bm in (32, 64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4)]
 
 
 def main() -> None:
@@ -106,8 +113,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles for the fused kernels")
     ap.add_argument("--sweep-tokens", default="1,64,8192")
     ap.add_argument("--sweep-shapes", default="kimi-linear-1b3")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default="benchmarks/results/gpu/fused_moe.json")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     report, bw = bandwidth_report()
     report["cublas_bf16_tflops"] = peak = cublas_tflops()
     report["peak_basis_tflops"] = H200_BF16_DENSE_TFLOPS
@@ -116,12 +125,12 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
         E, k, D, inter = SHAPES[shape]
-        w13 = torch.randn(E, 2 * inter, D, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        w2 = torch.randn(E, D, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        w13 = torch.randn(E, 2 * inter, D, device="cuda", dtype=dtype, generator=gen) * 0.02
+        w2 = torch.randn(E, D, inter, device="cuda", dtype=dtype, generator=gen) * 0.02
         w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
-        expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         for T in map(int, args.tokens.split(",")):
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            x = torch.randn(T, D, device="cuda", dtype=dtype, generator=gen)
             ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
             weights = torch.rand(T, k, device="cuda", generator=gen)
             chosen = int(ids.unique().numel())
@@ -142,8 +151,8 @@ def main() -> None:
                     print("skip", key, report["skipped"][key])
                     continue
                 us = t["median"]
-                row = {"shape": shape, "impl": name, "tokens": T, "experts": E, "top_k": k, "hidden": D,
-                       "inter": inter, "chosen_experts": chosen, "us": t, "rel_err_vs_torch_loop": err,
+                row = {"shape": shape, "dtype": args.dtype, "impl": name, "tokens": T, "experts": E, "top_k": k,
+                       "hidden": D, "inter": inter, "chosen_experts": chosen, "us": t, "rel_err_vs_torch_loop": err,
                        "gbps_chosen_weights": chosen * expert_bytes / (us * 1e-6) / 1e9,
                        "tflops": flops / (us * 1e-6) / 1e12}
                 row["pct_copy_bw"] = 100 * row["gbps_chosen_weights"] / bw
