@@ -176,13 +176,12 @@ class LLMEngine:
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
         start = time.perf_counter()
-        if self._verify_step_start is not None:
+        if self._verify_step_start is not None and self.runner.host_step_time is not None:
             # The loop's period from the last all-verify step to this one, less its waits for the device: the
             # host's work per step, including what the caller does between steps (the engine core process packs
             # and sends each step's outputs). Only timed when that step left work, so no idle time falls in it.
             self.runner.host_step_time.record(start - self._verify_step_start - self._waited)
-            self._verify_step_start = None
-        self._waited = 0.0
+        self._verify_step_start, self._waited = None, 0.0
         outputs = []
         if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
             outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
