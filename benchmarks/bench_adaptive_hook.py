@@ -15,25 +15,16 @@ Median of `--repeats` timings of `--iters` calls each, after a warm-up.
 from __future__ import annotations
 
 import argparse
-import time
 from types import SimpleNamespace
 
 import torch
-from bench_common import metadata, stats, write_json
+from bench_common import metadata, per_call_us, stats, write_json
 
 from vllm.spec_decode.adaptive import AdaptiveVerifier, CostCurve, DraftConfidences, HostStepTime, VerifyCosts
 
 
-def per_call_us(fn, iters: int, repeats: int) -> dict:
-    for _ in range(iters // 10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - start) / iters * 1e6)
-    return stats(times)
+def host_us(fn, iters: int, repeats: int) -> dict:
+    return stats(per_call_us(fn, iters, repeats, warmup=iters // 10))
 
 
 def main() -> None:
@@ -61,10 +52,10 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         row = {"requests": R, "num_spec": K,
-               "update_us": per_call_us(lambda: conf.update(ids, table), args.iters, args.repeats)}  # noqa: B023
+               "update_us": host_us(lambda: conf.update(ids, table), args.iters, args.repeats)}  # noqa: B023
         for case, host in (("device-bound", 0.0), ("host-bound", 1.0)):
             verifier = AdaptiveVerifier(conf, VerifyCosts(draft, verify), 8192, HostStepTime(seconds=host))
-            row[f"hook_{case}_us"] = per_call_us(lambda: verifier(step, None), args.iters, args.repeats)  # noqa: B023
+            row[f"hook_{case}_us"] = host_us(lambda: verifier(step, None), args.iters, args.repeats)  # noqa: B023
             row[f"hook_{case}_kept"] = f"{verifier.last_budget} of {R * K} drafts"
         rows.append(row)
         print(f"{R:3d} requests: hook {row['hook_device-bound_us']['median']:6.1f} us (device-bound, kept "

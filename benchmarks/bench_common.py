@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,20 @@ def stats(xs: list[float]) -> dict:
     a = np.asarray(xs, dtype=float)
     return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90)),
             "mean": float(a.mean()), "n": int(a.size)}
+
+
+def per_call_us(fn, iters: int, repeats: int, warmup: int = 0) -> list[float]:
+    """Host microseconds per call of fn, one figure per round of `iters` back-to-back calls, after `warmup`
+    calls. Host time only: for device work, time between CUDA events (kernels/timing.py)."""
+    for _ in range(warmup):
+        fn()
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        rounds.append((time.perf_counter() - t0) / iters * 1e6)
+    return rounds
 
 
 def write_json(path: str | Path, data: dict) -> Path:

@@ -13,6 +13,8 @@ import pickle
 import statistics
 import time
 
+from bench_common import per_call_us
+
 from vllm.engine.serial_utils import pack_outputs, unpack_outputs
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -24,16 +26,6 @@ def step_outputs(streams: int, logprobs: int) -> list[RequestOutput]:
         c = CompletionOutput(0, "ab", [100], -1.0 if logprobs else None, lps)
         outs.append(RequestOutput(f"cmpl-{i}-0", None, [], None, [c], False, RequestMetrics(time.time())))
     return outs
-
-
-def per_call_us(fn, iters: int, repeats: int) -> float:
-    rounds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        rounds.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(rounds)
 
 
 def main() -> None:
@@ -51,8 +43,8 @@ def main() -> None:
              lambda: unpack_outputs(pickle.loads(as_tuples)), len(as_tuples))]
     print(f"{args.streams} streams, {args.logprobs} logprob entries per token:")
     for name, send, receive, size in rows:
-        print(f"  {name:<12} pickle {per_call_us(send, args.iters, args.repeats):7.1f} us   unpickle "
-              f"{per_call_us(receive, args.iters, args.repeats):7.1f} us   {size} bytes")
+        print(f"  {name:<12} pickle {statistics.median(per_call_us(send, args.iters, args.repeats)):7.1f} us   unpickle "
+              f"{statistics.median(per_call_us(receive, args.iters, args.repeats)):7.1f} us   {size} bytes")
 
 
 if __name__ == "__main__":
