@@ -99,10 +99,7 @@ def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling
     np.cumsum(S[:b_max], out=gain[1:])
     gain += num_sampling_reqs
     device = costs.step_costs(num_reqs, num_non_draft_tokens, b_max)
-    if host_seconds > 0:
-        gain /= np.maximum(device, host_seconds) if overlapped else device + host_seconds
-    else:
-        gain /= device
+    gain /= np.maximum(device, host_seconds) if overlapped else device + host_seconds
     return int(gain.argmax())
 
 
