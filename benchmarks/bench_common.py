@@ -69,6 +69,30 @@ def per_call_us(fn, iters: int, repeats: int, warmup: int = 0) -> list[float]:
     return rounds
 
 
+def device_us_per_call(fn, device: str, repeats: int, rounds: int = 5) -> float:
+    """Microseconds per call of fn, median over `rounds` rounds of `repeats` back-to-back calls after one warm
+    call. On CUDA between two events, so the figure is the device's time with no host in it (where fn launches
+    more slowly than the device runs it, the gaps count); elsewhere the host clock."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / repeats)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e6 / repeats)
+    return float(np.median(times))
+
+
 def write_json(path: str | Path, data: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_common import sync
+from bench_common import device_us_per_call, sync
 from torch.profiler import ProfilerActivity, profile
 
 from vllm import LLM, SamplingParams
@@ -57,17 +57,8 @@ def time_graph_replays(graphs, keys, repeats: int = 200) -> dict[str, float]:
     """Device microseconds per replay of each graph in `keys`, back to back between two CUDA events: the device
     floor of that part of a step, without the host. Run it last: a replay rewrites the cache rows and recurrent
     states of the last step's rows."""
-    out = {}
-    for key in sorted(keys, key=str):
-        graphs.replay(key)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graphs.replay(key)
-        end.record()
-        end.synchronize()
-        out[str(key)] = start.elapsed_time(end) / repeats * 1e3
-    return out
+    return {str(key): device_us_per_call(functools.partial(graphs.replay, key), "cuda", repeats, rounds=1)
+            for key in sorted(keys, key=str)}
 
 
 # (owner path from the engine, method): the engine loop's phases, timed per step; nested phases are inside their

@@ -19,36 +19,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 
 import torch
-from bench_common import metadata, sync, write_json
+from bench_common import device_us_per_call, metadata, sync, write_json
 from torch.profiler import ProfilerActivity, profile
 
 from vllm import LLM
 from vllm.assets import DEFAULT_DSPARK_DIR
-
-
-def device_us(run, device: str, repeats: int) -> float:
-    """Median microseconds per run over `repeats` back-to-back runs (CUDA: between events, so no host in it)."""
-    run()
-    sync(device)
-    times = []
-    for _ in range(5):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / repeats)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                run()
-            times.append((time.perf_counter() - t0) * 1e6 / repeats)
-    return sorted(times)[len(times) // 2]
 
 
 def kernel_us(run, device: str, steps: int) -> dict[str, float]:
@@ -96,7 +73,7 @@ def main() -> None:
     with torch.inference_mode():
         for n in sorted(set(sizes) | {a, b}):
             common, desc, run = runner.dummy_decode_step(n, args.context)
-            us = device_us(run, args.device, args.repeats)
+            us = device_us_per_call(run, args.device, args.repeats)
             rows.append({"tokens": n, "requests": common.num_reqs, "graph": str(desc), "step_us": us})
             print(f"{n:4d} tokens, {common.num_reqs:3d} requests: {us:8.1f} us per step  ({desc or 'eager'})",
                   flush=True)
