@@ -43,8 +43,8 @@ def main() -> None:
              lambda: unpack_outputs(pickle.loads(as_tuples)), len(as_tuples))]
     print(f"{args.streams} streams, {args.logprobs} logprob entries per token:")
     for name, send, receive, size in rows:
-        print(f"  {name:<12} pickle {statistics.median(per_call_us(send, args.iters, args.repeats)):7.1f} us   unpickle "
-              f"{statistics.median(per_call_us(receive, args.iters, args.repeats)):7.1f} us   {size} bytes")
+        pickled, unpickled = (statistics.median(per_call_us(fn, args.iters, args.repeats)) for fn in (send, receive))
+        print(f"  {name:<12} pickle {pickled:7.1f} us   unpickle {unpickled:7.1f} us   {size} bytes")
 
 
 if __name__ == "__main__":
