@@ -249,9 +249,9 @@ def test_dspark_is_lossless_under_chunking_preemption_and_aborts():
 def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_time(monkeypatch, async_scheduling):
     """The host time adaptive verification weighs: the loop's period from one all-verify step to the next, less
     the step's waits for the device, and never the idle time after the last request. On a fake clock each
-    launch costs 1 s of host work and each wait for the device 10 s, and 100 s pass between two batches, the
-    first of which ends in an all-verify step: every sample is exactly 1 s (a sample without the waits
-    subtracted would be 11; one over the idle gap, 100+)."""
+    launch of an all-verify step costs 1 s of host work (any other 5 s) and each wait for the device 10 s, and
+    100 s pass between two batches, the first of which ends in an all-verify step: every sample is exactly 1 s
+    (a sample without the waits subtracted would be 11; one of a prefill step, 5; one over the idle gap, 100+)."""
     from types import SimpleNamespace
 
     from vllm.engine import llm_engine
@@ -282,9 +282,10 @@ def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_ti
     runner.host_step_time = Samples()  # off CUDA the engine records nothing unless given somewhere to
     execute_model = runner.execute_model
 
-    def launching(*args):
-        clock[0] += 1.0
-        return execute_model(*args)
+    def launching(out, *args):
+        # 1 s for a step whose every row verifies drafts, 5 s for any other: only the former are timed.
+        clock[0] += 1.0 if all(s.draft_token_ids for s in out.scheduled) else 5.0
+        return execute_model(out, *args)
 
     runner.execute_model = launching
     # Alone, and stopped by a token that its 10th output is the first of: its last step verifies drafts.

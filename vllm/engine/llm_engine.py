@@ -208,9 +208,10 @@ class LLMEngine:
             outputs += self._drain()
         if self.runner.drafter is not None:
             self._take_device_drafts(launched)
-        if self.runner.host_step_time is not None and all(s.draft_token_ids for s in rows) \
+        # Every row verified drafts (the steps adaptive verification plans): timed up to the next step.
+        if self.runner.host_step_time is not None and len(launched.verify_rows) == len(rows) \
                 and self.has_unfinished_requests():
-            self._verify_step_start = start  # the steps adaptive verification plans: timed up to the next step
+            self._verify_step_start = start
         return outputs
 
     def _needs_history(self) -> bool:
