@@ -6,8 +6,9 @@ confidence copy (DraftConfidences.update), at K = 3 and 1..64 requests.
 
 Each call runs on the host before the step's graph is launched, so at one request (a ~1.6 ms step on the H200)
 every 16 us is 1% of the step. Cases:
-- "device-bound": no host time recorded, a device table whose every token costs more (the budget reads the
-  confidences, sorts every survival and picks b*);
+- "device-bound": no host time recorded, a device table whose every token costs more, and the untrimmed step's
+  periods measured at the tables' cost (the budget reads the confidences, sorts every survival, weighs the
+  measured shape and picks b*);
 - "host-bound": a host time above the device's cost of the whole step (the hook keeps every draft without
   reading the confidences).
 Median of `--repeats` timings of `--iters` calls each, after a warm-up.
@@ -20,7 +21,8 @@ from types import SimpleNamespace
 import torch
 from bench_common import metadata, per_call_us, stats, write_json
 
-from vllm.spec_decode.adaptive import AdaptiveVerifier, CostCurve, DraftConfidences, HostStepTime, VerifyCosts
+from vllm.spec_decode.adaptive import (MIN_PERIOD_SAMPLES, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
+                                       VerifyCosts)
 
 
 def host_us(fn, iters: int, repeats: int) -> dict:
@@ -53,8 +55,13 @@ def main() -> None:
             torch.cuda.synchronize()
         row = {"requests": R, "num_spec": K,
                "update_us": host_us(lambda: conf.update(ids, table), args.iters, args.repeats)}  # noqa: B023
+        costs = VerifyCosts(draft, verify)
         for case, host in (("device-bound", 0.0), ("host-bound", 1.0)):
-            verifier = AdaptiveVerifier(conf, VerifyCosts(draft, verify), 8192, HostStepTime(seconds=host))
+            times = StepTimes(True, verify.padded, host=host)
+            for _ in range(MIN_PERIOD_SAMPLES):  # the untrimmed step, recently measured: trimming may be chosen
+                period = float(costs.step_costs(R, R, R * K)[-1])
+                times.record(period, period - host, (R, R + R * K))
+            verifier = AdaptiveVerifier(conf, costs, 8192, times)
             row[f"hook_{case}_us"] = host_us(lambda: verifier(step, None), args.iters, args.repeats)  # noqa: B023
             row[f"hook_{case}_kept"] = f"{verifier.last_budget} of {R * K} drafts"
         rows.append(row)

@@ -122,8 +122,12 @@ def main(argv: list[str] | None = None) -> None:
             if isinstance(verifier, AdaptiveVerifier):
                 # Cumulative over the engine's life (warm-ups and earlier concurrencies included).
                 row["adaptive_drafts_kept"] = verifier.num_kept / max(verifier.num_offered, 1)
-                # The host time per step the budget weighed last (a moving average of the latest steps).
-                row["adaptive_host_step_ms"] = 1e3 * verifier.host.seconds
+                # What the budget weighed last: the host time per step (a moving average of the latest steps) and
+                # the measured periods by step shape; how often it verified every draft to re-measure.
+                if verifier.times is not None:
+                    row["adaptive_host_step_ms"] = 1e3 * verifier.times.host
+                    row["adaptive_step_periods_ms"] = verifier.times.summary_ms()
+                row["adaptive_refreshed_steps"] = verifier.num_refreshed
                 row["adaptive_cost_tables_ms"] = {
                     "verify": {int(n): 1e3 * float(c) for n, c in zip(verifier.costs.verify.sizes,
                                                                        verifier.costs.verify.costs)},

@@ -3,7 +3,8 @@ by kernel (torch.profiler), for one request (or `--concurrency` requests, submit
 
     python benchmarks/profile_spec_step.py --spec '{"method": "dspark", "num_speculative_tokens": 3}'
 
-Prints the wall time per generated token (median of `--repeats`, unprofiled), the host time per step in each phase
+Prints the wall time per generated token (median of `--repeats`, unprofiled; with adaptive verification, the
+drafts its budget kept and the step times it weighed), the host time per step in each phase
 of the engine loop (timers around its functions, one timed run), then the top functions by own and by cumulative
 host time, then the device timeline between marks in the step (where the device waits for the host), then the
 top CUDA kernels by device time and the number of kernel launches per step, then each graph's device time per
@@ -29,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
+from vllm.spec_decode.adaptive import AdaptiveVerifier
 from vllm.tools.prepare_corpus import heldout_code_windows
 from vllm.worker.model_runner import AsyncModelRunnerOutput
 
@@ -210,6 +212,13 @@ def main() -> None:
     print("step paths over the timed runs:", dict(paths))
     print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "
           f"({steps} steps for {args.output_len} tokens)")
+    verifier = runner.device_trim_hook
+    if isinstance(verifier, AdaptiveVerifier):  # what adaptive's budget chose and weighed, over all runs so far
+        times = verifier.times
+        print(f"adaptive: kept {verifier.num_kept} of {verifier.num_offered} drafts, {verifier.num_refreshed} steps "
+              f"re-measured untrimmed" + ("" if times is None else
+                                          f"; host {times.host * 1e3:.3f} ms per step, measured periods (ms, "
+                                          f"requests x graph tokens): {times.summary_ms()}"))
     totals, undo = time_phases(llm.llm_engine)
     sync(args.device)
     t0 = time.perf_counter()

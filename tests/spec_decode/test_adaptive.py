@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, HostStepTime, VerifyCosts,
+from vllm.spec_decode import adaptive
+from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes, VerifyCosts,
                                        choose_budget, device_split, even_split)
 
 
@@ -50,29 +51,98 @@ def test_budget_grows_with_confidence_when_verifying_is_cheap_and_stops_at_the_c
     assert choose_budget(sure, 4, 4, 4, 10, 1, costs) == 6
 
 
-def test_a_host_slower_than_the_device_keeps_the_drafts_the_device_table_alone_would_trim():
-    """The H200's tables at 8 requests of 3 drafts (ms): verifying 16 tokens cost 1.47, 24 or 32 cost 2.30, the
-    draft 0.3; survivals 0.73, 0.46, 0.33 per request. The device alone favours 8 drafts (13.8 tokens in 1.77 ms
-    against 20.2 in 2.60). With 2.2 ms of host work per step overlapping the device's, trimming saves 0.4 ms,
-    not 0.83, and every draft is worth it; with the host's work added to the device's, too."""
+def _h200_tables_at_8_requests() -> VerifyCosts:
+    """The H200's tables at 8 requests of 3 drafts (ms, 93d5c70): verifying 16 tokens cost 1.47, 24 or 32 cost
+    2.30, the draft 0.3."""
     verify = CostCurve.from_samples({8: [1.2], 16: [1.47], 24: [2.30], 32: [2.30]}, max_captured=32)
-    costs = VerifyCosts(CostCurve.from_samples({8: [0.3]}, max_captured=8), verify)
+    return VerifyCosts(CostCurve.from_samples({8: [0.3]}, max_captured=8), verify)
+
+
+def _times(host: float, overlapped: bool = True) -> StepTimes:
+    times = StepTimes(overlapped)
+    times.record(host, 0.0, None)  # a first period without waits sets the host's average to it
+    return times
+
+
+def test_a_host_slower_than_the_device_keeps_the_drafts_the_device_table_alone_would_trim():
+    """Survivals 0.73, 0.46, 0.33 per request. The device alone favours 8 drafts (13.8 tokens in 1.77 ms against
+    20.2 in 2.60). With 2.2 ms of host work per step overlapping the device's, trimming saves 0.4 ms, not 0.83,
+    and every draft is worth it; with the host's work added to the device's, too."""
     survivals = np.tile([0.73, 0.46, 0.33], 8)
-    args = (survivals, 8, 8, 8, 1024, 1, costs)
+    args = (survivals, 8, 8, 8, 1024, 1, _h200_tables_at_8_requests())
     assert choose_budget(*args) == 8
-    assert choose_budget(*args, host_seconds=2.2, overlapped=True) == 24
-    assert choose_budget(*args, host_seconds=2.2, overlapped=False) == 24
+    assert choose_budget(*args, _times(2.2, overlapped=True)) == 24
+    assert choose_budget(*args, _times(2.2, overlapped=False)) == 24
     # A host faster than the device changes nothing where the device's part dominates every budget.
-    assert choose_budget(*args, host_seconds=1.0, overlapped=True) == 8
+    assert choose_budget(*args, _times(1.0, overlapped=True)) == 8
 
 
-def test_host_step_time_is_a_moving_average_that_starts_at_its_first_step():
-    host = HostStepTime(smoothing=0.5)
-    assert host.seconds == 0.0
-    host.record(2.0)
-    assert host.seconds == 2.0
-    host.record(4.0)
-    assert host.seconds == pytest.approx(3.0)
+def test_measured_periods_replace_the_tables_for_their_graph_shapes():
+    """The same step as the H200's at 8 requests, with no host time of its own, but measured periods: the step
+    trimmed to 16 tokens really took 2.28 ms and the untrimmed one (32 tokens) 2.45, so every draft is worth
+    it. Budgets that pad to a measured graph (9..16 drafts run in the 24-token graph) take its period too."""
+    tables = _h200_tables_at_8_requests()
+    survivals = np.tile([0.73, 0.46, 0.33], 8)
+    times = StepTimes(True, tables.verify.padded)
+    for tokens, period in ((16, 2.28), (32, 2.45)) * 3:
+        times.record(period, period, (8, tokens))  # all waits: no host time of its own
+    assert times.host == 0.0
+    assert choose_budget(survivals, 8, 8, 8, 1024, 1, tables, times) == 24
+    # The 24-token graph measured cheap: 16 drafts (the first two positions of every request) are the best buy.
+    for _ in range(3):
+        times.record(1.5, 1.5, (8, 17))
+    assert choose_budget(survivals, 8, 8, 8, 1024, 1, tables, times) == 16
+    # Another number of requests has no periods of its own: the tables decide.
+    assert choose_budget(survivals[:21], 7, 7, 7, 1024, 1, tables, times) == \
+        choose_budget(survivals[:21], 7, 7, 7, 1024, 1, tables) == 9
+
+
+def test_step_times_keep_the_median_of_each_graph_shapes_last_periods():
+    curve = CostCurve.from_samples({4: [1.0], 8: [1.0], 16: [1.0], 24: [1.0]}, max_captured=16)
+    assert curve.padded(5) == 8 and curve.padded(16) == 16 and curve.padded(20) == 20
+    assert curve.padded(np.array([1, 9, 17, 30])).tolist() == [4, 16, 17, 30]
+    times = StepTimes(True, curve.padded, smoothing=0.5)
+    times.record(2.0, 0.5, None)  # the step waited for was no all-verify step: the host's time only
+    assert times.host == 1.5 and times.num_steps == 0
+    times.record(4.0, 0.5, (2, 7))
+    assert times.host == pytest.approx(2.5)  # a moving average: 1.5 + 0.5 * (3.5 - 1.5)
+    for period in (100.0, 5.0, 6.0, 7.0, 9.0):  # an outlier, then more periods of the 8-token graph at 2 requests
+        times.record(period, period, (2, 8))
+    assert times.num_steps == 6
+    # Budgets 0..5 at 2 requests: 2..7 tokens, graphs 4, 4, 4, 8, 8, 8. The 8-token graph's last PERIOD_SAMPLES
+    # periods (of 7 and 8 tokens alike) are 5, 6, 7, 9 and the outlier: their median is 7.
+    device = np.full(6, 0.01)
+    assert times.step_costs(device, 2, 2).tolist() == [times.host] * 3 + [7.0] * 3  # unmeasured: max(host, device)
+    times.record(8.0, 8.0, (2, 8))  # the outlier leaves the window
+    assert times.step_costs(device, 2, 2)[-1] == 7.0  # the median of 5, 6, 7, 9, 8
+
+
+def test_a_trimmed_budget_waits_for_a_recent_measurement_of_the_untrimmed_step():
+    """Where the tables favour trimming, the untrimmed step (what fixed K runs) is measured first: the hook keeps
+    every draft until that shape has MIN_PERIOD_SAMPLES periods, trims while they are recent, and keeps every
+    draft once more when REFRESH_STEPS periods have passed without one."""
+    from types import SimpleNamespace
+
+    step = SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r), draft_token_ids=[7] * 3)
+                                      for r in ("a", "b")])
+    steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
+                        CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
+    times = StepTimes(False, steep.verify.padded)
+    verifier = AdaptiveVerifier(conf, steep, 1024, times)
+    full, trimmed = (2, 8), (2, 3)
+    for _ in range(adaptive.MIN_PERIOD_SAMPLES):
+        assert verifier(step, None) is None and verifier.last_budget == 6  # every draft: the untrimmed shape
+        times.record(50.0, 49.0, full)
+    for _ in range(adaptive.REFRESH_STEPS):
+        assert verifier(step, None) is not None and verifier.last_budget == 1
+        times.record(2.0, 1.0, trimmed)
+    assert verifier(step, None) is None and verifier.num_refreshed == adaptive.MIN_PERIOD_SAMPLES + 1
+    times.record(50.0, 49.0, full)
+    assert verifier(step, None) is not None and verifier.last_budget == 1
+    # Without measurements (off CUDA) the tables alone decide, at once.
+    assert AdaptiveVerifier(conf, steep, 1024)(step, None) is not None
 
 
 def test_zero_budget_gives_one_token_rows_on_host_and_device():
@@ -216,11 +286,14 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
                                       for r in ("a", "b")])
     steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
                         CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
-    verifier = AdaptiveVerifier(Unread(3, torch.device("cpu")), steep, 1024, HostStepTime(seconds=50.0))
+    verifier = AdaptiveVerifier(Unread(3, torch.device("cpu")), steep, 1024, _times(50.0))
     assert verifier(step, None) is None
     assert (verifier.last_budget, verifier.num_offered, verifier.num_kept) == (6, 6, 6)
     conf = DraftConfidences(3, torch.device("cpu"))
     conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
-    for host, overlapped in ((HostStepTime(seconds=1.0), True), (HostStepTime(seconds=50.0), False)):
-        host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, host, overlapped)(step, None)
+    for host, overlapped in ((1.0, True), (50.0, False)):
+        times = StepTimes(overlapped, steep.verify.padded)
+        for _ in range(adaptive.MIN_PERIOD_SAMPLES):  # the untrimmed step, freshly measured
+            times.record(host + 50.0, 50.0, (2, 8))
+        host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, times)(step, None)
         assert sum(host_lens) == int(device_lens.sum()) < 8

@@ -246,25 +246,27 @@ def test_dspark_is_lossless_under_chunking_preemption_and_aborts():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_time(monkeypatch, async_scheduling):
-    """The host time adaptive verification weighs: the loop's period from one all-verify step to the next, less
-    the step's waits for the device, and never the idle time after the last request. On a fake clock each
-    launch of an all-verify step costs 1 s of host work (any other 5 s) and each wait for the device 10 s, and
-    100 s pass between two batches, the first of which ends in an all-verify step: every sample is exactly 1 s
-    (a sample without the waits subtracted would be 11; one of a prefill step, 5; one over the idle gap, 100+)."""
+def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_idle_time(monkeypatch,
+                                                                                         async_scheduling):
+    """What adaptive verification's StepTimes get: the loop's period from one all-verify step to the next, its
+    waits for the device (the period less them is the host's work), and the shape (requests, target tokens) of
+    the step those waits were for: the step itself synchronously, the one launched before it under async
+    scheduling; None if that one was no all-verify step. Never the idle time after the last request. On a fake
+    clock each launch of an all-verify step costs 1 s of host work (any other 5 s) and each wait for the device
+    10 s, and 100 s pass between two batches, the first of which ends in an all-verify step: every period is
+    exactly 11 s (a period of a prefill step would be 15, one over the idle gap 100+)."""
     from types import SimpleNamespace
 
     from vllm.engine import llm_engine
-    from vllm.spec_decode.adaptive import HostStepTime
+    from vllm.spec_decode.adaptive import StepTimes
     from vllm.worker.model_runner import AsyncModelRunnerOutput
 
-    class Samples(HostStepTime):
-        def __init__(self):
-            super().__init__()
-            self.samples = []
+    launched = []  # per step launched: (requests, target tokens) if every row verified drafts, else None
+    recorded = []  # per period: (period, waited, drained shape, the shape expected: the step it waited for)
 
-        def record(self, seconds):
-            self.samples.append(seconds)
+    class Samples(StepTimes):
+        def record(self, period, waited, drained):
+            recorded.append((period, waited, drained, launched[-1 if not async_scheduling else -2]))
 
     clock = [0.0]
     monkeypatch.setattr(llm_engine, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic))
@@ -279,13 +281,16 @@ def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_ti
     monkeypatch.setattr(AsyncModelRunnerOutput, "get_output", waiting)
     llm = _llm(str(DEFAULT_DSPARK_DIR), 3, async_scheduling=async_scheduling)
     runner = llm.llm_engine.runner
-    runner.host_step_time = Samples()  # off CUDA the engine records nothing unless given somewhere to
+    runner.step_times = Samples()  # off CUDA the engine records nothing unless given somewhere to
     execute_model = runner.execute_model
 
     def launching(out, *args):
         # 1 s for a step whose every row verifies drafts, 5 s for any other: only the former are timed.
-        clock[0] += 1.0 if all(s.draft_token_ids for s in out.scheduled) else 5.0
-        return execute_model(out, *args)
+        all_verify = all(s.draft_token_ids for s in out.scheduled)
+        clock[0] += 1.0 if all_verify else 5.0
+        result = execute_model(out, *args)
+        launched.append((len(out.scheduled), result.num_tokens) if all_verify else None)
+        return result
 
     runner.execute_model = launching
     # Alone, and stopped by a token that its 10th output is the first of: its last step verifies drafts.
@@ -294,8 +299,12 @@ def test_the_engine_times_host_work_per_all_verify_step_without_waits_or_idle_ti
     assert stopped[0].outputs[0].finish_reason == "stop"
     clock[0] += 100.0
     llm.generate(CODE_PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    samples = runner.host_step_time.samples
-    assert len(samples) >= 4 and samples == [1.0] * len(samples)
+    assert len(recorded) >= 4
+    assert all((period, waited) == (11.0, 10.0) for period, waited, _, _ in recorded)
+    assert all(drained == expected for _, _, drained, expected in recorded)
+    shapes = [drained for _, _, drained, _ in recorded if drained is not None]
+    assert len(shapes) >= 3 and {3, 1} <= {reqs for reqs, _ in shapes}
+    assert all(reqs < tokens <= 4 * reqs for reqs, tokens in shapes)  # 1 + K = 4 target tokens a row at most
 
 
 def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):

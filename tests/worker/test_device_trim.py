@@ -138,6 +138,7 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
 
     choose = adaptive.choose_budget
     monkeypatch.setattr(adaptive, "choose_budget", fixed_budget)
+    monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)  # (GPU) no untrimmed re-measures
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     # On a GPU adaptive verification runs in CUDA graphs (its start-up gate); on the CPU eagerly.
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
@@ -149,10 +150,11 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     verifier = llm.llm_engine.runner.device_trim_hook
     assert isinstance(verifier, adaptive.AdaptiveVerifier)
     assert verifier.costs.verify(1) > 0 and verifier.costs.draft(1) >= 0
-    assert verifier.overlapped is async_scheduling
-    # Every all-verify step through choose_budget (whose choice the test replaces): under async scheduling a
-    # host-bound step keeps its drafts without asking it.
-    verifier.overlapped = False
+    times = llm.llm_engine.runner.step_times
+    assert verifier.times is times
+    if times is not None:  # (GPU) every all-verify step through choose_budget, whose choice the test replaces:
+        assert times.overlapped is async_scheduling  # under async scheduling a host-bound step keeps its drafts
+        times.overlapped = False  # without asking it
     calls = []
 
     def spy(out, common):
@@ -167,12 +169,11 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     assert calls and budgets, "all-verify steps ran through the adaptive hook"
     assert all(sum(h) == sum(d) and all(1 <= n <= 4 for n in h + d) for h, d in calls)
     assert any(h == [3, 3] and d in ([4, 2], [2, 4]) for h, d in calls), calls
-    # On a GPU the engine timed its all-verify steps' host work for the budget, which weighs it as async
-    # scheduling runs; on a CPU the host runs the forward itself, and the device tables alone decide.
-    if torch.cuda.is_available():
-        assert verifier.host is llm.llm_engine.runner.host_step_time and verifier.host.seconds > 0
-    else:
-        assert llm.llm_engine.runner.host_step_time is None and verifier.host.seconds == 0
+    # On a GPU the engine timed its all-verify steps for the budget: the host's work, and whole periods by step
+    # shape; on a CPU the host runs the forward itself, and the device tables alone decide.
+    assert (times is not None) is torch.cuda.is_available()
+    if times is not None:
+        assert times.host > 0 and times.num_steps > 0
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 

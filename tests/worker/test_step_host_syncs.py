@@ -42,9 +42,11 @@ def _vllm_sync_sites(run) -> list[str]:
 def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, monkeypatch):
     """With adaptive verification every all-verify step is re-cut to half its drafts (the budget's choice
     replaced), so the trim path (the device split, InputBatch.trim_on_device) is checked too: left to its costs
-    a host-bound step keeps every draft and never trims."""
+    a host-bound step keeps every draft and never trims, and a stale measurement of the untrimmed step keeps them
+    too."""
     from vllm.spec_decode import adaptive as adaptive_module
     monkeypatch.setattr(adaptive_module, "choose_budget", lambda survivals, *a, **kw: len(survivals) // 2)
+    monkeypatch.setattr(adaptive_module.StepTimes, "stale", lambda self, *a: False)  # no untrimmed re-measures
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=5)
     spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 3,
             "enable_adaptive_verification": adaptive}
@@ -55,7 +57,7 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, 
     trims = []
     if adaptive:
         verifier = engine.runner.device_trim_hook
-        verifier.overlapped = False  # every all-verify step asks choose_budget
+        verifier.times.overlapped = False  # every all-verify step asks choose_budget
 
         def counted(out, common):
             trim = verifier(out, common)

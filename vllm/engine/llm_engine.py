@@ -60,10 +60,12 @@ class LLMEngine:
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
         self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
-        # Adaptive verification's host time (runner.host_step_time): when the last step started, if every row of
-        # it verified drafts, and how long that step waited for the device.
+        # Adaptive verification's step times (runner.step_times): when the last step started, if every row of it
+        # verified drafts; how long it waited for the device; and (requests, tokens) of the all-verify step it
+        # waited for, if it waited for one.
         self._verify_step_start: float | None = None
         self._waited = 0.0
+        self._drained_shape: tuple[int, int] | None = None
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -176,12 +178,13 @@ class LLMEngine:
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
         start = time.perf_counter()
-        if self._verify_step_start is not None and self.runner.host_step_time is not None:
-            # The loop's period from the last all-verify step to this one, less its waits for the device: the
+        if self._verify_step_start is not None and self.runner.step_times is not None:
+            # The loop's period from the last all-verify step to this one: less its waits for the device, the
             # host's work per step, including what the caller does between steps (the engine core process packs
-            # and sends each step's outputs). Only timed when that step left work, so no idle time falls in it.
-            self.runner.host_step_time.record(start - self._verify_step_start - self._waited)
-        self._verify_step_start, self._waited = None, 0.0
+            # and sends each step's outputs); whole, the cost of the step it waited for. Only timed when that
+            # step left work, so no idle time falls in it.
+            self.runner.step_times.record(start - self._verify_step_start, self._waited, self._drained_shape)
+        self._verify_step_start, self._waited, self._drained_shape = None, 0.0, None
         outputs = []
         if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
             outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
@@ -209,7 +212,7 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self._take_device_drafts(launched)
         # Every row verified drafts (the steps adaptive verification plans): timed up to the next step.
-        if self.runner.host_step_time is not None and len(launched.verify_rows) == len(rows) \
+        if self.runner.step_times is not None and len(launched.verify_rows) == len(rows) \
                 and self.has_unfinished_requests():
             self._verify_step_start = start
         return outputs
@@ -230,6 +233,8 @@ class LLMEngine:
         self.in_flight = None
         result = launched.get_output()
         self._waited += launched.waited
+        self._drained_shape = (len(sched.scheduled), launched.num_tokens) \
+            if len(launched.verify_rows) == len(sched.scheduled) else None
         return self._process_step(sched, result)
 
     def _process_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:

@@ -8,7 +8,11 @@ in total.
 """
 from __future__ import annotations
 
+import collections
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +20,12 @@ import torch
 from vllm.utils import async_tensor_h2d
 
 MIN_VERIFY_COST = 1e-6  # a verify step is never free: keeps the ratio finite
+# Measured step periods (StepTimes): the median of the last PERIOD_SAMPLES of a shape stands for its cost once it
+# has MIN_PERIOD_SAMPLES; the shape that verifies every draft (the fixed-K step) is taken again when it has fewer,
+# or none among the last REFRESH_STEPS periods, so that a budget is always weighed against a recent fixed-K step.
+PERIOD_SAMPLES = 5
+MIN_PERIOD_SAMPLES = 3
+REFRESH_STEPS = 64
 
 
 @dataclass(slots=True)
@@ -54,6 +64,12 @@ class CostCurve:
         slope = (c[-1] - c[-2]) / (s[-1] - s[-2])
         return float(max(c[-1] + slope * (size - s[-1]), self.floor))
 
+    def padded(self, sizes):
+        """The graph size steps of these many tokens (an int or an array) run in: the first profiled size at or
+        above, up to the largest captured one; above it they run as they are."""
+        i = np.minimum(np.searchsorted(self.sizes, sizes, side="left"), len(self.sizes) - 1)
+        return np.where(np.asarray(sizes) <= self.max_captured, self.sizes[i], sizes)
+
     def at(self, sizes: np.ndarray) -> np.ndarray:
         """The curve at many integer sizes >= 0 (from a table of every size up to the largest asked for)."""
         top = int(sizes.max(initial=0))
@@ -81,13 +97,10 @@ class VerifyCosts:
 
 
 def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling_reqs: int, num_reqs: int,
-                  max_total_logits: int, num_bonus: int, costs: VerifyCosts, host_seconds: float = 0.0,
-                  overlapped: bool = True) -> int:
-    """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / step_cost(b), where the device's part of a step
-    is device(b) = draft_cost[num_reqs] + verify_cost[T0 + b] and the host's is host_seconds (its own work per
-    step, HostStepTime): step_cost(b) = max(host, device(b)) when the host prepares a step while the device runs
-    the last one (async scheduling, `overlapped`), host + device(b) when it waits for each step. With no host
-    time this is upstream's formula.
+                  max_total_logits: int, num_bonus: int, costs: VerifyCosts, times: StepTimes | None = None) -> int:
+    """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / step_cost(b). The device's part of a step is
+    device(b) = draft_cost[num_reqs] + verify_cost[T0 + b], upstream's whole cost; with `times`, the host's part
+    is added (overlapped or not) and measured shapes take their measured periods (StepTimes.step_costs).
 
     survivals: every scheduled draft slot's survival (the running product of its request's confidences), any
     order; T0 = num_non_draft_tokens; N_s = num_sampling_reqs; B_max = min(slots, max_total_logits - num_reqs *
@@ -98,8 +111,8 @@ def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling
     gain[0] = 0.0
     np.cumsum(S[:b_max], out=gain[1:])
     gain += num_sampling_reqs
-    device = costs.step_costs(num_reqs, num_non_draft_tokens, b_max)
-    gain /= np.maximum(device, host_seconds) if overlapped else device + host_seconds
+    cost = costs.step_costs(num_reqs, num_non_draft_tokens, b_max)
+    gain /= cost if times is None else times.step_costs(cost, num_reqs, num_non_draft_tokens)
     return int(gain.argmax())
 
 
@@ -136,34 +149,118 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
 
 
 @dataclass(slots=True)
-class HostStepTime:
-    """The host's own work per all-verify step, as an exponential moving average over steps: the engine loop's
-    period from one such step to the next (scheduling, launching, processing and sending the outputs), less its
-    waits for the device. The cost tables time the device alone, but a step also costs the host's time: under
-    async scheduling it overlaps the device's, so once the host is the slower side, verifying fewer drafts
-    shortens nothing (docs/spec_decode.md, "Adaptive verification", has the H200 case where the device tables
-    alone trimmed at a loss)."""
-    smoothing: float = 0.1  # weight of the newest step: about the last 10-20 steps count
-    seconds: float = 0.0  # 0: nothing recorded yet (the budget then weighs the device alone)
+class MeasuredShape:
+    """The last PERIOD_SAMPLES periods of one step shape, their median, and when the latest was recorded."""
+    periods: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PERIOD_SAMPLES))
+    median: float = 0.0
+    last_seen: int = 0  # StepTimes.num_steps at the latest
 
-    def record(self, seconds: float) -> None:
-        self.seconds = seconds if self.seconds == 0.0 else self.seconds + self.smoothing * (seconds - self.seconds)
+    def add(self, period: float, step: int) -> None:
+        self.periods.append(period)
+        self.median = statistics.median(self.periods)
+        self.last_seen = step
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """What the engine measured of its all-verify steps, which the budget weighs with the device's cost tables.
+
+    - `host`: the host's own work per step, an exponential moving average: the engine loop's period from one such
+      step to the next (scheduling, launching, processing and sending the outputs), less its waits for the
+      device. The tables time the device alone; under async scheduling the host's part overlaps it, so once the
+      host is the slower side, verifying fewer drafts shortens nothing.
+    - the period itself, per step shape (requests, graph tokens): what a step of that shape really cost, host,
+      device and their overlap together, as the loop's period in which it was the step waited for (under async
+      scheduling that is the step before the one launched). The median of the last few replaces the tables'
+      estimate for that shape: the tables, profiled on dummy steps, can misjudge a shape in either direction.
+
+    docs/spec_decode.md, "Adaptive verification", has the H200 case where the device tables alone trimmed at a
+    loss. Off CUDA nothing is recorded: there the host runs the forward itself."""
+    overlapped: bool = True  # async scheduling: a step costs max(host, device), else their sum
+    # Target tokens (an int or an array) -> the graph sizes they run in (CostCurve.padded); None: as they are.
+    padded: Callable[[Any], Any] | None = None
+    smoothing: float = 0.1  # weight of the newest step in `host`: about the last 10-20 steps count
+    host: float = 0.0  # seconds; 0: nothing recorded yet (the budget then weighs the device alone)
+    num_steps: int = 0  # periods recorded
+    _shapes: dict[int, dict[int, MeasuredShape]] = field(default_factory=dict)  # requests -> graph tokens -> it
+    # Caches for the budget's per-step host work: a size's graph, and which budgets share each graph.
+    _graphs: dict[int, int] = field(default_factory=dict)
+    _spans: dict[tuple[int, int], dict[int, slice]] = field(default_factory=dict)
+
+    def graph_tokens(self, num_tokens: int) -> int:
+        graph = self._graphs.get(num_tokens)
+        if graph is None:
+            graph = self._graphs[num_tokens] = int(self.padded(num_tokens)) if self.padded is not None else num_tokens
+        return graph
+
+    def record(self, period: float, waited: float, drained: tuple[int, int] | None) -> None:
+        """One loop period (seconds) and its waits for the device; `drained`: (requests, target tokens) of the
+        all-verify step it waited for, None when that step was not one."""
+        host = period - waited
+        self.host = host if self.host == 0.0 else self.host + self.smoothing * (host - self.host)
+        if drained is None:
+            return
+        reqs, tokens = drained[0], self.graph_tokens(drained[1])
+        shape = self._shapes.setdefault(reqs, {}).get(tokens)
+        if shape is None:
+            shape = self._shapes[reqs][tokens] = MeasuredShape()
+        self.num_steps += 1
+        shape.add(period, self.num_steps)
+
+    def stale(self, num_reqs: int, num_tokens: int) -> bool:
+        """Whether this shape's period needs taking again: fewer than MIN_PERIOD_SAMPLES periods, or none in the
+        last REFRESH_STEPS."""
+        shape = self._shapes.get(num_reqs, {}).get(self.graph_tokens(num_tokens))
+        return shape is None or len(shape.periods) < MIN_PERIOD_SAMPLES \
+            or self.num_steps - shape.last_seen >= REFRESH_STEPS
+
+    def summary_ms(self) -> dict[str, float]:
+        """'requests x graph tokens' -> the median of its last periods, in ms (for benchmarks and logs)."""
+        return {f"{reqs}x{tokens}": 1e3 * shape.median
+                for reqs, shapes in sorted(self._shapes.items()) for tokens, shape in sorted(shapes.items())}
+
+    def step_costs(self, device: np.ndarray, num_reqs: int, num_non_draft_tokens: int) -> np.ndarray:
+        """The cost at each budget b = 0..len - 1 from the device's (draft + verify tables): max(host, device)
+        overlapped, else host + device; then each shape measured at these requests takes its median period."""
+        cost = np.maximum(device, self.host) if self.overlapped else device + self.host
+        measured = self._shapes.get(num_reqs)
+        if measured:
+            spans = self._budget_spans(num_non_draft_tokens, len(cost))
+            for tokens, shape in measured.items():
+                span = spans.get(tokens)
+                if span is not None:
+                    cost[span] = shape.median
+        return cost
+
+    def _budget_spans(self, num_non_draft_tokens: int, num_budgets: int) -> dict[int, slice]:
+        """Graph tokens -> the budgets 0..num_budgets - 1 whose steps run in that graph (a run: graphs grow with
+        the budget)."""
+        key = (num_non_draft_tokens, num_budgets)
+        spans = self._spans.get(key)
+        if spans is None:
+            tokens = num_non_draft_tokens + np.arange(num_budgets)
+            graphs = self.padded(tokens) if self.padded is not None else tokens
+            sizes, starts = np.unique(graphs, return_index=True)
+            ends = np.append(starts[1:], num_budgets)
+            spans = self._spans[key] = {int(g): slice(int(a), int(b)) for g, a, b in zip(sizes, starts, ends)}
+        return spans
 
 
 class AdaptiveVerifier:
     """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
 
     On an all-verify step: survivals from the newest landed host copy of the draft's confidences (one step
-    stale under async scheduling), b* from the cost tables, the host's even split for the metadata, and the
+    stale under async scheduling), b* from the cost tables and what the engine measured (StepTimes; a trim only
+    against a recent measurement of the untrimmed step), the host's even split for the metadata, and the
     device's survival split from the device table."""
 
     def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int,
-                 host: HostStepTime | None = None, overlapped: bool = True) -> None:
+                 times: StepTimes | None = None) -> None:
         self.confidences, self.costs, self.max_total_logits = confidences, costs, max_total_logits
-        self.host = host if host is not None else HostStepTime()  # the engine records into it
-        self.overlapped = overlapped  # async scheduling: a step costs max(host, device), else their sum
+        self.times = times  # the engine records into it (on CUDA); None: the device tables alone, as upstream
         self.last_budget: int | None = None  # for tests and logs
         self.num_offered = self.num_kept = 0  # drafts scheduled in all-verify steps, and those the budgets kept
+        self.num_refreshed = 0  # steps that verified every draft to re-measure that shape (StepTimes.stale)
         self._full: torch.Tensor | None = None  # K drafts per row, for steps where every row has all K
 
     def _full_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -173,10 +270,13 @@ class AdaptiveVerifier:
 
     def __call__(self, out, common) -> tuple[list[int], torch.Tensor] | None:
         rows = out.scheduled
-        drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, len(rows))
+        R = len(rows)
+        drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, R)
         offered = int(drafts.sum())
-        if self.overlapped and offered <= self.max_total_logits - len(rows) \
-                and self.host.seconds >= self.costs.step_costs(len(rows), len(rows), offered)[-1]:
+        most = min(offered, self.max_total_logits - R)  # the largest budget: every draft, within one chunk
+        times = self.times
+        if times is not None and times.overlapped and most == offered \
+                and times.host >= self.costs.step_costs(R, R, offered)[-1]:
             # The host is the slower side even with every draft verified: no budget shortens the step, and
             # choose_budget would keep every draft (short of drafts whose survival is 0). Skip reading confidences.
             budget = offered
@@ -187,15 +287,19 @@ class AdaptiveVerifier:
             survivals = np.cumprod(host_conf, axis=1)
             survivals = survivals.ravel() if drafts.min() == K \
                 else survivals[np.arange(K)[None, :] < drafts[:, None]]
-            budget = choose_budget(survivals, len(rows), len(rows), len(rows), self.max_total_logits, 1,
-                                   self.costs, self.host.seconds, self.overlapped)
+            budget = choose_budget(survivals, R, R, R, self.max_total_logits, 1, self.costs, times)
+            if budget < most and times is not None and times.stale(R, R + most):
+                # A trimmed step is only chosen against a recent measurement of the untrimmed one, which is what
+                # fixed K runs: at worst one step in REFRESH_STEPS verifies drafts the budget would have cut.
+                budget = most
+                self.num_refreshed += 1
         self.last_budget = budget
         self.num_offered += offered
         self.num_kept += budget
         if budget == offered:
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         host = [1 + c for c in even_split(budget, drafts)]
-        device_drafts = self._full_rows(len(rows), device_conf.device) if (drafts == K).all() \
+        device_drafts = self._full_rows(R, device_conf.device) if (drafts == K).all() \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)
         return host, 1 + device_split(device_conf, device_drafts, budget)
 

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, HostStepTime,
+from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
                                         VerifyCosts)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
@@ -98,6 +98,7 @@ class AsyncModelRunnerOutput:
     drafts: torch.Tensor | None = None  # device [draft rows, K]
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
     waited: float = 0.0  # seconds get_output() waited for the device
+    num_tokens: int = 0  # target tokens the step ran, after any device trim, without graph padding
 
     @property
     def in_flight_tokens(self) -> InFlightTokens | None:
@@ -170,8 +171,8 @@ class ModelRunner:
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None
-        # Adaptive verification's host time per all-verify step: the engine records it, the budget reads it.
-        self.host_step_time: HostStepTime | None = None
+        # Adaptive verification's measured all-verify steps: the engine records them, the budget reads them.
+        self.step_times: StepTimes | None = None
         self.dispatcher = CudaGraphDispatcher([])
         self.graphs: CUDAGraphRunner | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
@@ -246,11 +247,12 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
             self._check_adaptive_gates()
+            costs = self._profile_step_costs(descs)
             # Off CUDA the host runs the forward itself: there is no host time apart from the device's to weigh.
-            self.host_step_time = HostStepTime() if self.device.type == "cuda" else None
-            self.set_device_trim_hook(AdaptiveVerifier(self.confidences, self._profile_step_costs(descs),
-                                                       sc.max_num_batched_tokens, self.host_step_time,
-                                                       overlapped=sc.async_scheduling))
+            self.step_times = StepTimes(sc.async_scheduling, costs.verify.padded) if self.device.type == "cuda" \
+                else None
+            self.set_device_trim_hook(AdaptiveVerifier(self.confidences, costs, sc.max_num_batched_tokens,
+                                                       self.step_times))
         return kv
 
     @torch.inference_mode()
@@ -570,7 +572,7 @@ class ModelRunner:
             replayed = self.graphs.replay(desc)
             tail = replayed if isinstance(replayed, DecodeTail) else None
             hidden = (replayed.hidden if tail is not None else replayed)[:T]
-        result = AsyncModelRunnerOutput()
+        result = AsyncModelRunnerOutput(num_tokens=T)
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
