@@ -145,6 +145,24 @@ def test_a_trimmed_budget_waits_for_a_recent_measurement_of_the_untrimmed_step()
     assert AdaptiveVerifier(conf, steep, 1024)(step, None) is not None
 
 
+def test_a_remeasure_in_flight_is_not_asked_for_twice():
+    """Under async scheduling a step's period is recorded two steps after its launch, one period late: the step
+    after a re-measure does not ask for another while that period is on its way, and asks again if it never
+    comes (a step that ended the work is not timed)."""
+    times = StepTimes(True)
+    assert times.stale(2, 8)
+    times.remeasure(2, 8)
+    assert not times.stale(2, 8)
+    times.record(3.0, 3.0, (2, 3))  # the period of the step launched before it
+    assert not times.stale(2, 8)
+    times.record(8.0, 8.0, (2, 8))  # its own
+    assert times.stale(2, 8)  # one period of the MIN_PERIOD_SAMPLES wanted
+    times.remeasure(2, 8)
+    times.record(3.0, 3.0, (2, 3))
+    times.record(3.0, 3.0, (2, 3))
+    assert times.stale(2, 8)  # its period did not come
+
+
 def test_zero_budget_gives_one_token_rows_on_host_and_device():
     assert even_split(0, [3, 3, 2]) == [0, 0, 0]
     caps = device_split(torch.rand(3, 3), torch.tensor([3, 3, 2]), 0)

@@ -3,6 +3,8 @@ device row lengths differ row by row, same total) still give exactly the tokens 
 because every kernel and the rejection sampler read the device offsets."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,69 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     assert (times is not None) is torch.cuda.is_available()
     if times is not None:
         assert times.host > 0 and times.num_steps > 0
+    llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untrimmed_step(graph_backends, model_dir,
+                                                                                          tmp_path, monkeypatch):
+    """Measured step periods on the engine's real path (async scheduling). On a fake clock a step's device time
+    is 1 s per target token and the host's work is free, so once measured, verifying any draft costs more than
+    it can bring (a survival is at most 1 token for 1 s): the budget trims every step it can, yet verifies
+    every draft on each step whose untrimmed shape was not measured lately (here every 5 periods). The shapes
+    the engine records are the ones the budget looks up (else every step would re-measure and none trim), and
+    greedy output equals no speculation throughout."""
+    from types import SimpleNamespace
+
+    from vllm.engine import llm_engine
+    from vllm.spec_decode import adaptive
+    from vllm.tools.make_dspark_draft import write_dspark_draft
+    from vllm.worker import model_runner
+    from vllm.worker.model_runner import AsyncModelRunnerOutput
+    draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (9, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
+    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive, "REFRESH_STEPS", 5)
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                             "cudagraph_capture_sizes": [4, 8]}}
+    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), async_scheduling=True,
+               speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": 3,
+                                   "enable_adaptive_verification": True})
+    runner = llm.llm_engine.runner
+    verifier = runner.device_trim_hook
+    # Off CUDA the runner keeps no step times: these, on the fake clock, stand in for the ones a GPU records.
+    runner.step_times = verifier.times = adaptive.StepTimes(True, verifier.costs.verify.padded)
+    clock = [0.0]
+    monkeypatch.setattr(llm_engine, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic))
+    get_output = AsyncModelRunnerOutput.get_output
+
+    def waiting(self):
+        clock[0] += float(self.num_tokens)  # the device's time for the step waited for
+        out = get_output(self)
+        self.waited = float(self.num_tokens)
+        return out
+
+    monkeypatch.setattr(AsyncModelRunnerOutput, "get_output", waiting)
+    trims = []
+
+    def spy(out, common):
+        trim = verifier(out, common)
+        trims.append(trim is not None)
+        return trim
+
+    runner.device_trim_hook = spy
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == want
+    times = verifier.times
+    assert times.host == 0.0 and times.num_steps >= len(trims) - 2  # every period but the last ones in flight
+    kept = [t for t in trims if not t]
+    assert sum(trims) >= 5 and len(kept) == verifier.num_refreshed, trims
+    # Three steps measure each number of requests' untrimmed shape, then one in every 5 periods re-measures it.
+    assert adaptive.MIN_PERIOD_SAMPLES + 1 <= verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
+    full = f"2x{times.graph_tokens(2 + 2 * 3)}"
+    assert times.summary_ms()[full] == pytest.approx(1e3 * (2 + 2 * 3))
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 

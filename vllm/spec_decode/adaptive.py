@@ -154,6 +154,7 @@ class MeasuredShape:
     periods: collections.deque = field(default_factory=lambda: collections.deque(maxlen=PERIOD_SAMPLES))
     median: float = 0.0
     last_seen: int = 0  # StepTimes.num_steps at the latest
+    asked: int | None = None  # StepTimes.num_steps when a step of this shape was last launched to re-measure it
 
     def add(self, period: float, step: int) -> None:
         self.periods.append(period)
@@ -201,23 +202,32 @@ class StepTimes:
         if drained is None:
             return
         reqs, tokens = drained[0], self.graph_tokens(drained[1])
-        shape = self._shapes.setdefault(reqs, {}).get(tokens)
-        if shape is None:
-            shape = self._shapes[reqs][tokens] = MeasuredShape()
+        shape = self._shapes.setdefault(reqs, {}).setdefault(tokens, MeasuredShape())
         self.num_steps += 1
         shape.add(period, self.num_steps)
 
     def stale(self, num_reqs: int, num_tokens: int) -> bool:
         """Whether this shape's period needs taking again: fewer than MIN_PERIOD_SAMPLES periods, or none in the
-        last REFRESH_STEPS."""
+        last REFRESH_STEPS; and no step launched to re-measure it whose period may still be on its way (under
+        async scheduling it is recorded two steps after its launch, one period later)."""
         shape = self._shapes.get(num_reqs, {}).get(self.graph_tokens(num_tokens))
-        return shape is None or len(shape.periods) < MIN_PERIOD_SAMPLES \
-            or self.num_steps - shape.last_seen >= REFRESH_STEPS
+        if shape is None:
+            return True
+        if shape.asked is not None and shape.last_seen <= shape.asked and self.num_steps - shape.asked <= 1:
+            return False  # asked for, and no period of it recorded since
+        return len(shape.periods) < MIN_PERIOD_SAMPLES or self.num_steps - shape.last_seen >= REFRESH_STEPS
+
+    def remeasure(self, num_reqs: int, num_tokens: int) -> None:
+        """A step of this shape is launched to re-measure it (see stale)."""
+        shapes = self._shapes.setdefault(num_reqs, {})
+        shape = shapes.setdefault(self.graph_tokens(num_tokens), MeasuredShape())
+        shape.asked = self.num_steps
 
     def summary_ms(self) -> dict[str, float]:
         """'requests x graph tokens' -> the median of its last periods, in ms (for benchmarks and logs)."""
         return {f"{reqs}x{tokens}": 1e3 * shape.median
-                for reqs, shapes in sorted(self._shapes.items()) for tokens, shape in sorted(shapes.items())}
+                for reqs, shapes in sorted(self._shapes.items()) for tokens, shape in sorted(shapes.items())
+                if shape.periods}
 
     def step_costs(self, device: np.ndarray, num_reqs: int, num_non_draft_tokens: int) -> np.ndarray:
         """The cost at each budget b = 0..len - 1 from the device's (draft + verify tables): max(host, device)
@@ -228,7 +238,7 @@ class StepTimes:
             spans = self._budget_spans(num_non_draft_tokens, len(cost))
             for tokens, shape in measured.items():
                 span = spans.get(tokens)
-                if span is not None:
+                if span is not None and shape.periods:  # (a shape asked to re-measure may have none yet)
                     cost[span] = shape.median
         return cost
 
@@ -293,6 +303,7 @@ class AdaptiveVerifier:
                 # fixed K runs: at worst one step in REFRESH_STEPS verifies drafts the budget would have cut.
                 budget = most
                 self.num_refreshed += 1
+                times.remeasure(R, R + most)
         self.last_budget = budget
         self.num_offered += offered
         self.num_kept += budget
