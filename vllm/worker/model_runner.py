@@ -248,7 +248,7 @@ class ModelRunner:
         if spec is not None and spec.enable_adaptive_verification:
             self._check_adaptive_gates()
             costs = self._profile_step_costs(descs)
-            # Off CUDA the host runs the forward itself: there is no host time apart from the device's to weigh.
+            # Off CUDA the host runs the forward itself: nothing apart from the tables to weigh, none measured.
             self.step_times = StepTimes(sc.async_scheduling, costs.verify.padded) if self.device.type == "cuda" \
                 else None
             self.set_device_trim_hook(AdaptiveVerifier(self.confidences, costs, sc.max_num_batched_tokens,
