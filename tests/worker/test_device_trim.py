@@ -63,6 +63,7 @@ def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
     stats = llm.llm_engine.spec_decode_stats
     # Trimmed drafts count as rejected: fewer accepted than proposed although every draft was right.
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_unverified_draft_tokens is None  # a hook of its own, not adaptive verification's counters
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 
@@ -176,6 +177,10 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     assert (times is not None) is torch.cuda.is_available()
     if times is not None:
         assert times.host > 0 and times.num_steps > 0
+    # The engine's counters carry what the budgets left unverified (the test's budgets of 4 cut drafts).
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats.num_unverified_draft_tokens == verifier.num_offered - verifier.num_kept > 0
+    assert stats.num_remeasure_steps == verifier.num_refreshed
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 

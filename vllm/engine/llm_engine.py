@@ -317,8 +317,13 @@ class LLMEngine:
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:
-        """Engine-wide speculative-decoding counters since start (None without speculation)."""
-        return self.scheduler.spec_stats
+        """Engine-wide speculative-decoding counters since start (None without speculation), with adaptive
+        verification's own where it runs."""
+        stats, adaptive = self.scheduler.spec_stats, self.runner.adaptive_verifier
+        if stats is None or adaptive is None:
+            return stats
+        return dataclasses.replace(stats, num_unverified_draft_tokens=adaptive.num_offered - adaptive.num_kept,
+                                   num_remeasure_steps=adaptive.num_refreshed)
 
     def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None,
                            kind: str) -> SamplingMetadata | None:

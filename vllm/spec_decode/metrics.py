@@ -16,6 +16,10 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Adaptive verification's (None without it): draft tokens its budgets left unverified, which count as
+    # rejected above, and steps that verified every draft to re-measure the untrimmed step (AdaptiveVerifier).
+    num_unverified_draft_tokens: int | None = None
+    num_remeasure_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:

@@ -171,6 +171,7 @@ class ModelRunner:
         self.layout: CacheLayout | None = None
         self.cudagraph_mode = self._cudagraph_mode()
         self.device_trim_hook: DeviceTrimHook | None = None
+        self.adaptive_verifier: AdaptiveVerifier | None = None  # the device-trim hook of adaptive verification
         # Adaptive verification's measured all-verify steps: the engine records them, the budget reads them.
         self.step_times: StepTimes | None = None
         self.dispatcher = CudaGraphDispatcher([])
@@ -251,8 +252,9 @@ class ModelRunner:
             # Off CUDA the host runs the forward itself: nothing apart from the tables to weigh, none measured.
             self.step_times = StepTimes(sc.async_scheduling, costs.verify.padded) if self.device.type == "cuda" \
                 else None
-            self.set_device_trim_hook(AdaptiveVerifier(self.confidences, costs, sc.max_num_batched_tokens,
-                                                       self.step_times))
+            self.adaptive_verifier = AdaptiveVerifier(self.confidences, costs, sc.max_num_batched_tokens,
+                                                      self.step_times)
+            self.set_device_trim_hook(self.adaptive_verifier)
         return kv
 
     @torch.inference_mode()

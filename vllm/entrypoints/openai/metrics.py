@@ -57,6 +57,11 @@ class _EngineCollector:
                           spec.num_drafts),
                          ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
                          ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)]
+            if spec.num_unverified_draft_tokens is not None:  # adaptive verification's (not upstream's names)
+                counters += [("vllm:spec_decode_num_unverified_draft_tokens", "Draft tokens adaptive verification "
+                              "did not verify (counted as rejected).", spec.num_unverified_draft_tokens),
+                             ("vllm:spec_decode_num_remeasure_steps", "Steps adaptive verification ran with every "
+                              "draft to re-measure them.", spec.num_remeasure_steps)]
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
         if s.iteration_tokens is not None:
