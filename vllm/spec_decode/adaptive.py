@@ -189,6 +189,7 @@ class StepTimes:
     _spans: dict[tuple[int, int], dict[int, slice]] = field(default_factory=dict)
 
     def graph_tokens(self, num_tokens: int) -> int:
+        """The graph size a step of `num_tokens` target tokens runs in: the token half of its shape."""
         graph = self._graphs.get(num_tokens)
         if graph is None:
             graph = self._graphs[num_tokens] = int(self.padded(num_tokens)) if self.padded is not None else num_tokens
