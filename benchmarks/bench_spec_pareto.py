@@ -30,7 +30,6 @@ from bench_spec_builtin import timed_generate
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
-from vllm.spec_decode.adaptive import AdaptiveVerifier
 from vllm.tools.prepare_corpus import heldout_code_windows
 
 
@@ -118,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                    "acceptance_rate_per_pos": [sum(col) / drafts for col in zip(
                        *(o.metrics.spec_num_accepted_tokens_per_pos for o in outs))] if drafts else None,
                    "identical_to_no_spec": ids == plain.get(c)}
-            verifier = llm.llm_engine.runner.device_trim_hook
-            if isinstance(verifier, AdaptiveVerifier):
+            verifier = llm.llm_engine.runner.adaptive_verifier
+            if verifier is not None:
                 # Cumulative over the engine's life (warm-ups and earlier concurrencies included).
                 row["adaptive_drafts_kept"] = verifier.num_kept / max(verifier.num_offered, 1)
                 # What the budget weighed last: the host time per step (a moving average of the latest steps) and

@@ -30,7 +30,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
-from vllm.spec_decode.adaptive import AdaptiveVerifier
 from vllm.tools.prepare_corpus import heldout_code_windows
 from vllm.worker.model_runner import AsyncModelRunnerOutput
 
@@ -212,8 +211,8 @@ def main() -> None:
     print("step paths over the timed runs:", dict(paths))
     print(f"{wall / args.output_len * 1e3:.3f} ms per token, {wall / steps * 1e3:.3f} ms per step "
           f"({steps} steps for {args.output_len} tokens)")
-    verifier = runner.device_trim_hook
-    if isinstance(verifier, AdaptiveVerifier):  # what adaptive's budget chose and weighed, over all runs so far
+    verifier = runner.adaptive_verifier
+    if verifier is not None:  # what adaptive's budget chose and weighed, over all runs so far
         times = verifier.times
         print(f"adaptive: kept {verifier.num_kept} of {verifier.num_offered} drafts, {verifier.num_refreshed} steps "
               f"re-measured untrimmed" + ("" if times is None else
