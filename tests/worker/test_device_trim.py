@@ -239,7 +239,10 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     times = verifier.times
     assert times.host == 0.0 and times.num_steps >= len(trims) - 2  # every period but the last ones in flight
     kept = [t for t in trims if not t]
-    assert sum(trims) >= 5 and len(kept) == verifier.num_refreshed, trims
+    # Off CUDA every untrimmed step is a re-measure. With graphs a budget may also keep every draft by itself:
+    # periods of 5..8 tokens share the 8-token graph, whose median can undercut the 4-token graph's per token.
+    assert sum(trims) >= 5 and (len(kept) == verifier.num_refreshed if not torch.cuda.is_available()
+                                else len(kept) >= verifier.num_refreshed), trims
     # Three steps measure each number of requests' untrimmed shape, then one in every 5 periods re-measures it.
     assert adaptive.MIN_PERIOD_SAMPLES + 1 <= verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
     full = f"2x{times.graph_tokens(2 + 2 * 3)}"
