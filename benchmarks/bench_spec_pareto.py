@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                     row["adaptive_host_step_ms"] = 1e3 * verifier.times.host
                     row["adaptive_step_periods_ms"] = verifier.times.summary_ms()
                 row["adaptive_refreshed_steps"] = verifier.num_refreshed
+                # The survival calibration's per-position ratios (observed / predicted) and the rows behind them.
+                row["adaptive_calibration_scale"] = verifier.calibration.scale.tolist()
+                row["adaptive_calibration_rows"] = verifier.calibration.num_rows
                 row["adaptive_cost_tables_ms"] = {
                     "verify": {int(n): 1e3 * float(c) for n, c in zip(verifier.costs.verify.sizes,
                                                                        verifier.costs.verify.costs)},

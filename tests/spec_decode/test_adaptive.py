@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vllm.spec_decode import adaptive
-from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes, VerifyCosts,
-                                       choose_budget, device_split, even_split)
+from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
+                                       SurvivalCalibration, SurvivalPrediction, VerifyCosts, choose_budget,
+                                       device_split, even_split)
 
 
 def _flat_draft():
@@ -315,3 +316,104 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
             times.record(host + 50.0, 50.0, (2, 8))
         host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, times)(step, None)
         assert sum(host_lens) == int(device_lens.sum()) < 8
+
+
+def _step(*request_ids: str, drafts: int = 3):
+    from types import SimpleNamespace
+    return SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r),
+                                                      draft_token_ids=[7] * drafts) for r in request_ids])
+
+
+def _prediction(survivals: np.ndarray) -> SurvivalPrediction:
+    """Every slot of every row scheduled, every row known to the host."""
+    ids = [str(i) for i in range(len(survivals))]
+    return SurvivalPrediction(survivals, None, ids, {rid: i for i, rid in enumerate(ids)})
+
+
+def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_predicted():
+    """Per position, observed over predicted survival, shrunk towards 1 by the prior; calibrated survivals stay
+    at most 1 and never rise along a row."""
+    cal = SurvivalCalibration(3)
+    assert cal.scale.tolist() == [1.0, 1.0, 1.0]
+    # 100 rows predicted 0.5, 0.25, 0.125 per position; 70 accepted >= 1 draft, 45 >= 2, 30 all 3.
+    accepted = np.array([3] * 30 + [2] * 15 + [1] * 25 + [0] * 30)
+    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), accepted)
+    keep = (1 - 1 / adaptive.CALIBRATION_ROWS) ** 100
+    prior = adaptive.CALIBRATION_PRIOR
+    assert cal.scale == pytest.approx([(70 + prior) / (50 + prior), (45 + prior) / (25 + prior),
+                                       (30 + prior) / (12.5 + prior)])
+    assert cal.num_rows == 100
+    calibrated = cal.apply(np.array([[0.9, 0.6, 0.1], [0.5, 0.25, 0.125]]))
+    assert calibrated[0].tolist() == [1.0, 1.0, pytest.approx(0.1 * cal.scale[2])]  # capped at 1
+    assert calibrated[1] == pytest.approx([0.5 * cal.scale[0], min(0.5 * cal.scale[0], 0.25 * cal.scale[1]),
+                                           min(0.5 * cal.scale[0], 0.25 * cal.scale[1], 0.125 * cal.scale[2])])
+    assert (np.diff(calibrated, axis=1) <= 0).all()
+    # Older rows fade: a second batch of rows that accept nothing pulls the ratios down, the old ones weighed less.
+    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), np.zeros(100, dtype=np.int64))
+    assert cal.scale[0] == pytest.approx((70 * keep + prior) / (50 * keep + 50 + prior))
+    # Only the rows the host had confidences for count, and only their scheduled slots.
+    cal = SurvivalCalibration(2)
+    prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]),
+                                    np.array([[True, True], [True, True], [True, False]]), ["a", "new", "c"],
+                                    {"a": 0, "c": 1})
+    cal.observe(prediction, np.array([2, 1, 0]))
+    assert cal.predicted.tolist() == [1.1, 0.25] and cal.observed.tolist() == [1.0, 1.0] and cal.num_rows == 2
+
+
+def test_an_untrimmed_step_leaves_its_prediction_once_and_a_trimmed_one_none():
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.8, 0.5], [0.6, 0.5, 0.4]]))
+    free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1), CostCurve.from_samples({8: [1.0]}, max_captured=8))
+    verifier = AdaptiveVerifier(conf, free, 1024)
+    assert verifier(_step("a", "b", "new"), None) is None
+    prediction = verifier.take_prediction()
+    # The raw running products, summed over the rows the host has confidences for ("new" reads 1.0: not counted).
+    counted = prediction.counted()
+    assert counted.tolist() == [True, True, False]
+    assert prediction.predicted(counted) == pytest.approx([0.9 + 0.6, 0.72 + 0.3, 0.36 + 0.12])
+    assert verifier.take_prediction() is None
+    # Rows with fewer drafts count only their scheduled slots.
+    step = _step("a", "b")
+    step.scheduled[1].draft_token_ids = [7]
+    verifier(step, None)
+    prediction = verifier.take_prediction()
+    assert prediction.counted() is None and prediction.predicted(None) == pytest.approx([1.5, 0.72, 0.36])
+    steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
+                        CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
+    trimming = AdaptiveVerifier(conf, steep, 1024)
+    assert trimming(_step("a", "b"), None) is not None and trimming.take_prediction() is None
+
+
+def test_calibrated_survivals_keep_every_draft_where_the_heads_own_would_trim():
+    """The H200 case at 8 requests (ef6826c): measured periods of 1.93 ms for the step trimmed to 16 tokens and
+    2.60 untrimmed (32 tokens). The head's survivals, about 0.54, 0.26, 0.13 per position, favour trimming to
+    the first drafts (12.3 tokens in 1.93 ms against 15.4 in 2.60); greedy serving accepts 0.73, 0.46, 0.33,
+    and once the calibration has seen that, every draft is worth its step (20.2 tokens against 13.8)."""
+    rids = [str(i) for i in range(8)]
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(rids, torch.tensor([[0.54, 0.49, 0.48]]).repeat(8, 1))
+    tables = _h200_tables_at_8_requests()
+    times = StepTimes(True, tables.verify.padded)
+    for tokens, period in ((16, 1.93), (32, 2.60)) * 3:
+        times.record(period, period, (8, tokens))
+    verifier = AdaptiveVerifier(conf, tables, 1024, times)
+    assert verifier(_step(*rids), None) is not None and verifier.last_budget == 8
+    # Untrimmed steps (re-measures) seen: of 100 rows, 73 accepted >= 1 draft, 46 >= 2, 33 all three.
+    accepted = np.array([3] * 33 + [2] * 13 + [1] * 27 + [0] * 27)
+    verifier.observe(_prediction(np.tile(np.cumprod([0.54, 0.49, 0.48]), (100, 1))), accepted.tolist())
+    assert verifier(_step(*rids), None) is None and verifier.last_budget == 24
+
+
+def test_the_device_split_ranks_slots_by_calibrated_survival():
+    """Row a's second draft (0.9 * 0.5 = 0.45) against row b's first (0.5): raw, b's wins; with the second
+    position's survivals found twice as likely as predicted, a's (0.9) does. Calibrated survivals are capped and
+    never rise along a row, so each row still keeps a prefix."""
+    confidence = torch.tensor([[0.9, 0.5], [0.5, 0.1]])
+    drafts = torch.tensor([2, 2])
+    assert device_split(confidence, drafts, 2).tolist() == [1, 1]
+    assert device_split(confidence, drafts, 2, torch.tensor([1.0, 2.0])).tolist() == [2, 0]
+    assert device_split(confidence, drafts, 3, torch.tensor([1.0, 2.0])).tolist() == [2, 1]
+    # Scaled survivals that would rise along a row (0.5, then 0.45 * 3) count as the row's first slot's (0.5):
+    # the one slot goes to the other row's first (0.8), not to a second slot without its first.
+    rising = torch.tensor([[0.5, 0.9], [0.8, 0.1]])
+    assert device_split(rising, drafts, 1, torch.tensor([1.0, 3.0])).tolist() == [0, 1]

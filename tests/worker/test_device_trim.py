@@ -250,6 +250,41 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 
+def test_untrimmed_steps_calibrate_the_survivals_with_what_each_row_accepted(graph_backends, model_dir, tmp_path,
+                                                                            monkeypatch):
+    """Every all-verify step keeps its drafts here, so each one's prediction travels with its outputs to the
+    engine (async scheduling: processed one step later), which hands back each row's accepted drafts. With
+    nothing forgotten, the calibration's observed survivals are the engine's per-position acceptance counts
+    exactly, over as many rows as verifications (one request: every verify step is an all-verify step, and its
+    prefill step drafted, so the host always has its confidences)."""
+    from vllm.spec_decode import adaptive
+    from vllm.tools.make_dspark_draft import write_dspark_draft
+    from vllm.worker import model_runner
+    draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
+    prompt = {"prompt_token_ids": torch.randint(5, 250, (11,), generator=torch.Generator().manual_seed(6)).tolist()}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _llm(model_dir, graph_backends).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: len(survivals))
+    monkeypatch.setattr(adaptive, "CALIBRATION_ROWS", float("inf"))  # nothing forgotten: exact counts
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                             "cudagraph_capture_sizes": [4, 8]}}
+    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), async_scheduling=True,
+               speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": 3,
+                                   "enable_adaptive_verification": True})
+    verifier = llm.llm_engine.runner.adaptive_verifier
+    if verifier.times is not None:  # (GPU) a host-bound step would keep its drafts without reading survivals
+        verifier.times.overlapped = False
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    stats, cal = llm.llm_engine.spec_decode_stats, verifier.calibration
+    assert stats.num_drafts >= 5 and stats.num_unverified_draft_tokens == 0
+    assert cal.num_rows == stats.num_drafts
+    assert cal.observed.tolist() == stats.num_accepted_tokens_per_pos
+    assert (cal.predicted > 0).all() and np.all(np.diff(cal.predicted) <= 0)  # sums of running products
+    llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
 def test_a_step_scheduled_over_a_verify_step_in_flight_is_placed_on_the_device():
     """Async scheduling with device drafts: the host places each row after every draft in flight; the device
     takes the first token from the verified tokens, the drafts from the drafter, and moves the row back by the

@@ -26,6 +26,10 @@ MIN_VERIFY_COST = 1e-6  # a verify step is never free: keeps the ratio finite
 PERIOD_SAMPLES = 5
 MIN_PERIOD_SAMPLES = 3
 REFRESH_STEPS = 64
+# Survival calibration (SurvivalCalibration): the per-position ratios weigh about the last CALIBRATION_ROWS
+# verified rows, and CALIBRATION_PRIOR pseudo-slots at ratio 1 keep a few rows from swinging them far.
+CALIBRATION_ROWS = 512
+CALIBRATION_PRIOR = 2.0
 
 
 @dataclass(slots=True)
@@ -133,12 +137,17 @@ def even_split(budget: int, num_drafts: list[int]) -> list[int]:
     return caps.tolist()
 
 
-def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int) -> torch.Tensor:
+def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """The device's split [R] (int32): the global top-`budget` slots by survival, from confidences [R, K] and
     drafts per row [R]; slots past a row's drafts never win. Survival never rises along a draft, so each row
-    keeps a prefix. No host sync: `budget` is the host's number."""
+    keeps a prefix. `scale` [K]: the calibration's per-position ratios (SurvivalCalibration), applied as on the
+    host but for the cap at 1, which changes no ranking that matters: it only ties slots the budget counts as
+    sure alike. No host sync: `budget` is the host's number."""
     R, K = confidence.shape
     survival = confidence.float().clamp(0, 1).cumprod(dim=1)
+    if scale is not None:  # scaled survivals may rise along a row: the running min keeps each row's a prefix
+        survival = (survival * scale).cummin(dim=1).values
     past = torch.arange(K, device=confidence.device)[None, :] >= num_drafts[:, None]
     survival = survival.masked_fill(past, float("-inf"))
     # Ties broken towards earlier slots of a row, so a row's kept slots stay a prefix.
@@ -146,6 +155,76 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
     keep = torch.zeros(R * K, dtype=torch.int32, device=confidence.device)
     keep.index_fill_(0, order, 1)  # not `keep[order] = 1`, whose scalar copy from pageable memory waits for the GPU
     return keep.view(R, K).sum(1, dtype=torch.int32)
+
+
+@dataclass(slots=True)
+class SurvivalPrediction:
+    """What an untrimmed all-verify step's budget read: each row's survivals (uncalibrated), which slots were
+    scheduled, and which rows the host had confidences for (the others read 1.0, a placeholder, not a
+    prediction). The step's outcome is set against it (AdaptiveVerifier.observe). Kept as read: the sums are
+    taken when the outcome comes, after the step is launched, not before it."""
+    survivals: np.ndarray  # [R, K] running products, the rows in step order
+    scheduled: np.ndarray | None  # [R, K] bool; None: every slot
+    request_ids: list[str]
+    host_index: dict[str, int]  # the landed table's rows when the budget read it (a table's own dict)
+
+    def counted(self) -> np.ndarray | None:
+        """[R] bool: the rows with confidences on the host; None: every row."""
+        counted = np.fromiter((rid in self.host_index for rid in self.request_ids), bool, len(self.request_ids))
+        return None if counted.all() else counted
+
+    def predicted(self, counted: np.ndarray | None) -> np.ndarray:
+        """[K]: per position, the sum of the counted rows' scheduled survivals."""
+        mask = self.scheduled
+        if counted is not None:
+            mask = counted[:, None] if mask is None else mask & counted[:, None]
+        return self.survivals.sum(0) if mask is None else np.where(mask, self.survivals, 0.0).sum(0)
+
+
+@dataclass(slots=True)
+class SurvivalCalibration:
+    """Per draft position i, the ratio of observed to predicted survival over recently verified slots, which the
+    budget's survivals are multiplied by: S'_i = min(1, r_i * S_i), then made non-increasing along the row.
+
+    Why: the confidence head is trained for the acceptance of sampling (sum_v min(p, q)), and the host reads
+    confidences one step stale (the drafts before the ones it judges). What a slot is worth is what this
+    serving accepts: under greedy the built-in draft's positions are accepted at 0.73 / 0.46 / 0.33 where its
+    head predicts about 0.54 / 0.26 / 0.13, and survivals that low make trimming look better than it is.
+
+    Only untrimmed steps are counted (every scheduled draft verified): there a row that accepted a drafts
+    survived exactly at slots 0..a-1 of its drafts. In a trimmed step the host does not know each row's cap,
+    so a short acceptance may be a cap. Sums decay by row (about the last CALIBRATION_ROWS rows count), so the
+    ratios follow a changing workload; CALIBRATION_PRIOR slots at ratio 1 shrink the first few rows' ratios."""
+    num_spec: int
+    predicted: np.ndarray = field(init=False)
+    observed: np.ndarray = field(init=False)
+    # r_i = observed_i / predicted_i, shrunk towards 1 by the prior; updated with them (the budget reads it every
+    # step), and `version` counts the updates (the device's copy follows it).
+    scale: np.ndarray = field(init=False)
+    version: int = 0
+    num_rows: int = 0  # rows observed since start (for logs)
+
+    def __post_init__(self) -> None:
+        self.predicted = np.zeros(self.num_spec)
+        self.observed = np.zeros(self.num_spec)
+        self.scale = np.ones(self.num_spec)
+
+    def apply(self, survivals: np.ndarray) -> np.ndarray:
+        """Survivals [R, K] (running products) -> calibrated: scaled, at most 1, never rising along a row."""
+        return np.minimum.accumulate(np.minimum(survivals * self.scale, 1.0), axis=1)
+
+    def observe(self, prediction: SurvivalPrediction, num_accepted: np.ndarray) -> None:
+        """An untrimmed step's outcome: each row's accepted drafts, in step order."""
+        counted = prediction.counted()
+        if counted is not None:
+            num_accepted = num_accepted[counted]
+        keep = (1.0 - 1.0 / CALIBRATION_ROWS) ** len(num_accepted)
+        survived = (num_accepted[:, None] > np.arange(self.num_spec)[None, :]).sum(0)
+        self.predicted = keep * self.predicted + prediction.predicted(counted)
+        self.observed = keep * self.observed + survived
+        self.scale = (self.observed + CALIBRATION_PRIOR) / (self.predicted + CALIBRATION_PRIOR)
+        self.version += 1
+        self.num_rows += len(num_accepted)
 
 
 @dataclass(slots=True)
@@ -261,9 +340,11 @@ class AdaptiveVerifier:
     """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
 
     On an all-verify step: survivals from the newest landed host copy of the draft's confidences (one step
-    stale under async scheduling), b* from the cost tables and what the engine measured (StepTimes; a trim only
-    against a recent measurement of the untrimmed step), the host's even split for the metadata, and the
-    device's survival split from the device table."""
+    stale under async scheduling), calibrated by what untrimmed steps accepted (SurvivalCalibration), b* from
+    the cost tables and what the engine measured (StepTimes; a trim only against a recent measurement of the
+    untrimmed step), the host's even split for the metadata, and the device's survival split from the device
+    table. An untrimmed step whose survivals were read leaves its prediction (take_prediction), and the engine
+    hands back what the step accepted (observe)."""
 
     def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int,
                  times: StepTimes | None = None) -> None:
@@ -273,13 +354,34 @@ class AdaptiveVerifier:
         self.num_offered = self.num_kept = 0  # drafts scheduled in all-verify steps, and those the budgets kept
         self.num_refreshed = 0  # steps that verified every draft to re-measure that shape (StepTimes.stale)
         self._full: torch.Tensor | None = None  # K drafts per row, for steps where every row has all K
+        self.calibration = SurvivalCalibration(confidences.num_spec)
+        self._prediction: SurvivalPrediction | None = None  # the last call's, until taken
+        self._scale: tuple[int, torch.Tensor] | None = None  # (calibration version, its scale on the device)
 
     def _full_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if self._full is None or self._full.shape[0] < num_rows:
             self._full = torch.full((max(num_rows, 64),), self.confidences.num_spec, dtype=torch.int64, device=device)
         return self._full[:num_rows]
 
+    def take_prediction(self) -> SurvivalPrediction | None:
+        """The prediction of the step the last call planned, if it read survivals and kept every draft; once."""
+        prediction, self._prediction = self._prediction, None
+        return prediction
+
+    def observe(self, prediction: SurvivalPrediction, num_accepted: list[int]) -> None:
+        """What the untrimmed step of `prediction` accepted, per row in its order."""
+        self.calibration.observe(prediction, np.asarray(num_accepted, dtype=np.int64))
+
+    def _device_scale(self, device: torch.device) -> torch.Tensor:
+        """The calibration's scale on the device, uploaded again only once it changed (an untrimmed step's
+        outcome): a trimming run mostly reuses it."""
+        cal = self.calibration
+        if self._scale is None or self._scale[0] != cal.version:
+            self._scale = (cal.version, async_tensor_h2d(cal.scale, torch.float32, device))
+        return self._scale[1]
+
     def __call__(self, out, common) -> tuple[list[int], torch.Tensor] | None:
+        self._prediction = None
         rows = out.scheduled
         R = len(rows)
         drafts = np.fromiter((len(s.draft_token_ids) for s in rows), np.int64, R)
@@ -290,14 +392,16 @@ class AdaptiveVerifier:
                 and times.host >= self.costs.step_costs(R, R, offered)[-1]:
             # The host is the slower side even with every draft verified: no budget shortens the step, and
             # choose_budget would keep every draft (short of drafts whose survival is 0). Skip reading confidences.
-            budget = offered
+            budget, host_conf = offered, None
         else:
-            device_conf, host_conf = self.confidences.rows([s.request.request_id for s in rows])
+            request_ids = [s.request.request_id for s in rows]
+            device_conf, host_conf = self.confidences.rows(request_ids)
             K = self.confidences.num_spec
             # Every scheduled slot's survival: the running product of its row's confidences, up to its drafts.
-            survivals = np.cumprod(host_conf, axis=1)
-            survivals = survivals.ravel() if drafts.min() == K \
-                else survivals[np.arange(K)[None, :] < drafts[:, None]]
+            raw = np.cumprod(host_conf, axis=1)
+            survivals = self.calibration.apply(raw)
+            scheduled = None if drafts.min() == K else np.arange(K)[None, :] < drafts[:, None]
+            survivals = survivals.ravel() if scheduled is None else survivals[scheduled]
             budget = choose_budget(survivals, R, R, R, self.max_total_logits, 1, self.costs, times)
             if budget < most and times is not None and times.stale(R, R + most):
                 # A trimmed step is only chosen against a recent measurement of the untrimmed one, which is what
@@ -309,11 +413,13 @@ class AdaptiveVerifier:
         self.num_offered += offered
         self.num_kept += budget
         if budget == offered:
+            if host_conf is not None:  # every scheduled slot is verified: its outcome calibrates (observe)
+                self._prediction = SurvivalPrediction(raw, scheduled, request_ids, self.confidences.host_index)
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         host = [1 + c for c in even_split(budget, drafts)]
         device_drafts = self._full_rows(R, device_conf.device) if (drafts == K).all() \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)
-        return host, 1 + device_split(device_conf, device_drafts, budget)
+        return host, 1 + device_split(device_conf, device_drafts, budget, self._device_scale(device_conf.device))
 
 
 class DraftConfidences:

@@ -27,7 +27,7 @@ from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                        VerifyCosts)
+                                        SurvivalPrediction, VerifyCosts)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
@@ -99,6 +99,9 @@ class AsyncModelRunnerOutput:
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
     waited: float = 0.0  # seconds get_output() waited for the device
     num_tokens: int = 0  # target tokens the step ran, after any device trim, without graph padding
+    # Adaptive verification: what the budget of this untrimmed all-verify step predicted, which its accepted
+    # drafts calibrate (AdaptiveVerifier.observe); None for other steps.
+    survival_prediction: SurvivalPrediction | None = None
 
     @property
     def in_flight_tokens(self) -> InFlightTokens | None:
@@ -558,6 +561,9 @@ class ModelRunner:
             if trim is not None:
                 trimmed, device_lens = trim
                 common = self.input_batch.trim_on_device(common, trimmed, device_lens)
+        # Taken every step, so that a prediction never outlives its step; a step trimmed after all (the seam may
+        # be wrapped) verified only some slots, which would miscount.
+        prediction = self.adaptive_verifier.take_prediction() if self.adaptive_verifier is not None else None
         T = common.num_actual_tokens
         desc = self._graph_for(common)
         tail = None
@@ -574,7 +580,7 @@ class ModelRunner:
             replayed = self.graphs.replay(desc)
             tail = replayed if isinstance(replayed, DecodeTail) else None
             hidden = (replayed.hidden if tail is not None else replayed)[:T]
-        result = AsyncModelRunnerOutput(num_tokens=T)
+        result = AsyncModelRunnerOutput(num_tokens=T, survival_prediction=prediction if trimmed is None else None)
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
