@@ -243,8 +243,10 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     # periods of 5..8 tokens share the 8-token graph, whose median can undercut the 4-token graph's per token.
     assert sum(trims) >= 5 and (len(kept) == verifier.num_refreshed if not torch.cuda.is_available()
                                 else len(kept) >= verifier.num_refreshed), trims
-    # Three steps measure each number of requests' untrimmed shape, then one in every 5 periods re-measures it.
-    assert adaptive.MIN_PERIOD_SAMPLES + 1 <= verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
+    # Three steps measure each number of requests' untrimmed shape, then one in every 5 periods re-measures it
+    # (with graphs some of those are the budget's own choice, which need no re-measure).
+    assert len(kept) >= adaptive.MIN_PERIOD_SAMPLES + 1
+    assert verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
     full = f"2x{times.graph_tokens(2 + 2 * 3)}"
     assert times.summary_ms()[full] == pytest.approx(1e3 * (2 + 2 * 3))
     llm.llm_engine.kv_cache_manager.assert_all_free()
