@@ -337,7 +337,8 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     assert cal.scale.tolist() == [1.0, 1.0, 1.0]
     # 100 rows predicted 0.5, 0.25, 0.125 per position; 70 accepted >= 1 draft, 45 >= 2, 30 all 3.
     accepted = np.array([3] * 30 + [2] * 15 + [1] * 25 + [0] * 30)
-    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), accepted)
+    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), accepted.tolist())
+    cal.fold()  # (outcomes queue until CALIBRATION_BATCH_ROWS rows)
     keep = (1 - 1 / adaptive.CALIBRATION_ROWS) ** 100
     prior = adaptive.CALIBRATION_PRIOR
     assert cal.scale == pytest.approx([(70 + prior) / (50 + prior), (45 + prior) / (25 + prior),
@@ -349,14 +350,26 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
                                            min(0.5 * cal.scale[0], 0.25 * cal.scale[1], 0.125 * cal.scale[2])])
     assert (np.diff(calibrated, axis=1) <= 0).all()
     # Older rows fade: a second batch of rows that accept nothing pulls the ratios down, the old ones weighed less.
-    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), np.zeros(100, dtype=np.int64))
+    cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), [0] * 100)
+    cal.fold()
     assert cal.scale[0] == pytest.approx((70 * keep + prior) / (50 * keep + 50 + prior))
     # Only the rows the host had confidences for count, and only their scheduled slots.
     cal = SurvivalCalibration(2)
     prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]),
                                     np.array([[True, True], [True, True], [True, False]]), ["a", "new", "c"],
                                     {"a": 0, "c": 1})
-    cal.observe(prediction, np.array([2, 1, 0]))
+    cal.observe(prediction, [2, 1, 0])
+    assert cal.num_rows == 0 and cal.version == 0  # queued: fewer than CALIBRATION_BATCH_ROWS rows
+    cal.fold()
+    # ... and folded by themselves once that many rows have come (of which 2 in 3 count).
+    steps = -(-adaptive.CALIBRATION_BATCH_ROWS // 3)
+    for _ in range(steps):
+        assert cal.version == 1
+        cal.observe(prediction, [2, 1, 0])
+    assert cal.version == 2 and cal.num_rows == 2 + 2 * steps
+    cal = SurvivalCalibration(2)
+    cal.observe(prediction, [2, 1, 0])
+    cal.fold()
     assert cal.predicted.tolist() == [1.1, 0.25] and cal.observed.tolist() == [1.0, 1.0] and cal.num_rows == 2
 
 
@@ -368,16 +381,14 @@ def test_an_untrimmed_step_leaves_its_prediction_once_and_a_trimmed_one_none():
     assert verifier(_step("a", "b", "new"), None) is None
     prediction = verifier.take_prediction()
     # The raw running products, summed over the rows the host has confidences for ("new" reads 1.0: not counted).
-    counted = prediction.counted()
-    assert counted.tolist() == [True, True, False]
-    assert prediction.predicted(counted) == pytest.approx([0.9 + 0.6, 0.72 + 0.3, 0.36 + 0.12])
+    assert prediction.known() == [True, True, False] and prediction.scheduled is None
+    assert prediction.survivals[:2] == pytest.approx(np.array([[0.9, 0.72, 0.36], [0.6, 0.3, 0.12]]))
     assert verifier.take_prediction() is None
     # Rows with fewer drafts count only their scheduled slots.
     step = _step("a", "b")
     step.scheduled[1].draft_token_ids = [7]
     verifier(step, None)
-    prediction = verifier.take_prediction()
-    assert prediction.counted() is None and prediction.predicted(None) == pytest.approx([1.5, 0.72, 0.36])
+    assert verifier.take_prediction().scheduled.tolist() == [[True] * 3, [True, False, False]]
     steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
                         CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
     trimming = AdaptiveVerifier(conf, steep, 1024)
@@ -401,6 +412,7 @@ def test_calibrated_survivals_keep_every_draft_where_the_heads_own_would_trim():
     # Untrimmed steps (re-measures) seen: of 100 rows, 73 accepted >= 1 draft, 46 >= 2, 33 all three.
     accepted = np.array([3] * 33 + [2] * 13 + [1] * 27 + [0] * 27)
     verifier.observe(_prediction(np.tile(np.cumprod([0.54, 0.49, 0.48]), (100, 1))), accepted.tolist())
+    verifier.calibration.fold()
     assert verifier(_step(*rids), None) is None and verifier.last_budget == 24
 
 
