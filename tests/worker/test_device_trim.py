@@ -213,6 +213,12 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
                                    "enable_adaptive_verification": True})
     runner = llm.llm_engine.runner
     verifier = runner.device_trim_hook
+    # The tables in the fake clock's units (1 s per token, padded to the profiled sizes as the real ones): the
+    # profiled ones time the interpreter, whose seconds vary with the machine's load, and a shape not measured
+    # yet takes its table cost (the full suite on 2 cores once made a budget keep every draft by itself).
+    real = verifier.costs.verify
+    verifier.costs = adaptive.VerifyCosts(adaptive.CostCurve.from_samples({1: [0.0]}, 1), adaptive.CostCurve.from_samples(
+        {int(n): [float(n)] for n in real.sizes}, real.max_captured))
     # Off CUDA the runner keeps no step times: these, on the fake clock, stand in for the ones a GPU records.
     runner.step_times = verifier.times = adaptive.StepTimes(True, verifier.costs.verify.padded)
     clock = [0.0]
