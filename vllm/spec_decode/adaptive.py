@@ -149,7 +149,7 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
     sure alike. No host sync: `budget` is the host's number."""
     R, K = confidence.shape
     survival = confidence.float().clamp(0, 1).cumprod(dim=1)
-    if scale is not None:  # scaled survivals may rise along a row: the running min keeps each row's a prefix
+    if scale is not None:  # scaled, survivals may rise along a row: a running min keeps each row's kept slots a prefix
         survival = (survival * scale).cummin(dim=1).values
     past = torch.arange(K, device=confidence.device)[None, :] >= num_drafts[:, None]
     survival = survival.masked_fill(past, float("-inf"))
