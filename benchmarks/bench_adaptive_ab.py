@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from bench_common import metadata, stats, write_json
 from bench_spec_builtin import timed_generate
-from bench_spec_pareto import spec_config, tpots
+from bench_spec_pareto import prompt_batches, spec_config, tpots
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     windows = heldout_code_windows(engines[names[0]].get_tokenizer(), [args.prompt_len + 4] * num_windows)
     rows = []
     for c in concurrencies:
-        n = max(c, args.min_requests)
-        batches = [[{"prompt_token_ids": w[:args.prompt_len]} for w in windows[i:i + c]] for i in range(0, n, c)]
+        batches = prompt_batches(windows, c, args.min_requests, args.prompt_len)
         for llm in engines.values():
             timed_generate(llm, batches[0], params, args.device)  # warm-up
         per_user = {name: [] for name in names}

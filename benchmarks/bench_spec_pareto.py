@@ -46,6 +46,13 @@ def spec_config(name: str, draft: str) -> dict | None:
     return cfg
 
 
+def prompt_batches(windows: list[list[int]], concurrency: int, min_requests: int, prompt_len: int) -> list[list]:
+    """max(c, min_requests) windows as closed batches of c prompts (each window's first prompt_len tokens)."""
+    n = max(concurrency, min_requests)
+    return [[{"prompt_token_ids": w[:prompt_len]} for w in windows[i:i + concurrency]]
+            for i in range(0, n, concurrency)]
+
+
 def tpots(outs: list) -> list[float]:
     return [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in outs if len(o.outputs[0].token_ids) > 1]
@@ -90,8 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         if windows is None:
             windows = heldout_code_windows(llm.get_tokenizer(), [args.prompt_len + args.answer_len] * num_windows)
         for c in concurrencies:
-            n = max(c, args.min_requests)
-            batches = [[{"prompt_token_ids": w[:args.prompt_len]} for w in windows[i:i + c]] for i in range(0, n, c)]
+            batches = prompt_batches(windows, c, args.min_requests, args.prompt_len)
             timed_generate(llm, batches[0], params, args.device)  # warm-up
             walls, per_token, outs = [], [], None
             for _ in range(args.repeats):

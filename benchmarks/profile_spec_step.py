@@ -24,7 +24,6 @@ import pstats
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from bench_common import device_us_per_call, sync
 from torch.profiler import ProfilerActivity, profile
@@ -216,7 +215,7 @@ def main() -> None:
     if verifier is not None:  # what adaptive's budget chose and weighed, over all runs so far
         times = verifier.times
         print(f"adaptive: kept {verifier.num_kept} of {verifier.num_offered} drafts, {verifier.num_refreshed} steps "
-              f"re-measured untrimmed; survivals calibrated x{np.round(verifier.calibration.scale, 2).tolist()} "
+              f"re-measured untrimmed; survivals calibrated x{[round(r, 2) for r in verifier.calibration.scale]} "
               f"per position over {verifier.calibration.num_rows} rows" + ("" if times is None else
                                           f"; host {times.host * 1e3:.3f} ms per step, measured periods (ms, "
                                           f"requests x graph tokens): {times.summary_ms()}"))
