@@ -6,12 +6,17 @@ confidence copy (DraftConfidences.update), at K = 3 and 1..64 requests.
 
 Each call runs on the host before the step's graph is launched, so at one request (a ~1.6 ms step on the H200)
 every 16 us is 1% of the step. Cases:
-- "device-bound": no host time recorded, a device table whose every token costs more, and the untrimmed step's
-  periods measured at the tables' cost (the budget reads the confidences, sorts every survival, weighs the
-  measured shape and picks b*);
+- "keeps-all": no host time recorded, a device table whose every token costs more, the untrimmed step's periods
+  measured at the tables' cost, and confident drafts (0.98-1.0): the budget reads the confidences, sorts every
+  survival, weighs the measured shape and keeps every draft, leaving its prediction for the calibration. The
+  H200 sweeps ran in this regime (99.7-100% of drafts kept at 1-64 requests), so it is adaptive's overhead
+  over fixed K there;
+- "trims": the same with confidences uniform in [0, 0.1], which the budget trims (and the device re-cuts);
 - "host-bound": a host time above the device's cost of the whole step (the hook keeps every draft without
   reading the confidences).
-Median of `--repeats` timings of `--iters` calls each, after a warm-up.
+Also the engine's side of a kept step: taking the prediction and handing back its outcome (observe, with the
+calibration's batched fold amortised over the calls). Median of `--repeats` timings of `--iters` calls each,
+after a warm-up.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ def main() -> None:
     K, device = args.num_spec, torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     # Verify cost rising with every token, flat draft: the budget keeps every draft of confident rows.
-    verify = CostCurve.from_samples({n: [1e-3 + 1e-5 * n] for n in (4, 8, 16, 32, 64, 128, 256, 512)}, 512)
+    verify = CostCurve.from_samples({n: [1e-3 + 1e-4 * n] for n in (4, 8, 16, 32, 64, 128, 256, 512)}, 512)
     draft = CostCurve.from_samples({n: [3e-4] for n in (1, 2, 4, 8, 16, 32, 64, 128)}, 128)
     rows = []
     for R in (int(r) for r in args.requests.split(",")):
@@ -55,19 +60,36 @@ def main() -> None:
             torch.cuda.synchronize()
         row = {"requests": R, "num_spec": K,
                "update_us": host_us(lambda: conf.update(ids, table), args.iters, args.repeats)}  # noqa: B023
-        costs = VerifyCosts(draft, verify)
-        for case, host in (("device-bound", 0.0), ("host-bound", 1.0)):
+        confident = 0.98 + 0.02 * torch.rand(R, K, device=device, generator=gen)
+        for case, host, confidences in (("keeps-all", 0.0, confident), ("trims", 0.0, 0.1 * table),
+                                        ("host-bound", 1.0, table)):
+            conf.update(ids, confidences)
+            conf.update(ids, confidences)  # the host copy of these has landed by the calls below
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             times = StepTimes(True, verify.padded, host=host)
+            costs = VerifyCosts(draft, verify)
             for _ in range(MIN_PERIOD_SAMPLES):  # the untrimmed step, recently measured: trimming may be chosen
                 period = float(costs.step_costs(R, R, R * K)[-1])
                 times.record(period, period - host, (R, R + R * K))
             verifier = AdaptiveVerifier(conf, costs, 8192, times)
             row[f"hook_{case}_us"] = host_us(lambda: verifier(step, None), args.iters, args.repeats)  # noqa: B023
             row[f"hook_{case}_kept"] = f"{verifier.last_budget} of {R * K} drafts"
+            if case == "keeps-all":
+                accepted = [K] * R  # (all accepted: the ratios stay at or above 1, the budget keeps all)
+
+                def engine_side() -> None:
+                    verifier(step, None)  # noqa: B023
+                    verifier.observe(verifier.take_prediction(), accepted)  # noqa: B023
+                # The hook again inside, for a prediction to hand back: its own median is taken off.
+                both = stats(per_call_us(engine_side, args.iters, args.repeats, warmup=args.iters // 10))
+                row["observe_us"] = both["median"] - row["hook_keeps-all_us"]["median"]
         rows.append(row)
-        print(f"{R:3d} requests: hook {row['hook_device-bound_us']['median']:6.1f} us (device-bound, kept "
-              f"{row['hook_device-bound_kept']}), {row['hook_host-bound_us']['median']:5.1f} us (host-bound); "
-              f"confidence copy {row['update_us']['median']:5.1f} us", flush=True)
+        print(f"{R:3d} requests: hook {row['hook_keeps-all_us']['median']:6.1f} us (keeps all "
+              f"{row['hook_keeps-all_kept']}), {row['hook_trims_us']['median']:6.1f} us (trims, kept "
+              f"{row['hook_trims_kept']}), {row['hook_host-bound_us']['median']:5.1f} us (host-bound); "
+              f"observe {row['observe_us']:5.1f} us; confidence copy {row['update_us']['median']:5.1f} us",
+              flush=True)
     if args.out:
         write_json(args.out, {"meta": metadata(args.device), "rows": rows})
 

@@ -206,14 +206,17 @@ def test_draft_confidences_rows_follow_the_request_ids():
     """Each request reads the confidences its drafts came with, whether the step keeps the drafting order (the
     table as it stands), reorders or drops requests, or adds one with none yet (1.0)."""
     conf = DraftConfidences(3, torch.device("cpu"))
-    ids, _ = conf.rows(["a"])
-    assert torch.equal(ids, torch.ones(1, 3))
+    host, known = conf.host_rows(["a"])
+    assert torch.equal(conf.device_rows(["a"]), torch.ones(1, 3))
+    assert np.array_equal(host, np.ones((1, 3))) and known.tolist() == [False]
     table = torch.rand(3, 3, generator=torch.Generator().manual_seed(0))
     conf.update(["a", "b", "c"], table)
-    for order in (["a", "b", "c"], ["c", "a"], ["b", "new", "a"]):
-        device, host = conf.rows(order)
+    for order, want_known in ((["a", "b", "c"], None), (["c", "a"], [True, True]),
+                              (["b", "new", "a"], [True, False, True])):
+        host, known = conf.host_rows(order)
         want = torch.stack([table[ord(r) - ord("a")] if r != "new" else torch.ones(3) for r in order])
-        assert torch.equal(device, want) and np.array_equal(host, want.numpy())
+        assert torch.equal(conf.device_rows(order), want) and np.array_equal(host, want.numpy())
+        assert (known if known is None else known.tolist()) == want_known
 
 
 class _Copy:
@@ -236,23 +239,30 @@ def test_the_host_plans_with_the_newest_landed_confidences_and_never_waits():
     index, host, _ = conf._pending[-1]
     copy = _Copy(False)
     conf._pending[-1] = (index, host, copy)  # the newest copy has not landed
-    device, host_rows = conf.rows(["a"])
-    assert torch.equal(device, new) and np.array_equal(host_rows, old.numpy())
+    host_rows, _ = conf.host_rows(["a"])
+    assert torch.equal(conf.device_rows(["a"]), new) and np.array_equal(host_rows, old.numpy())
     copy.done = True
-    _, host_rows = conf.rows(["a"])
+    host_rows, _ = conf.host_rows(["a"])
     assert np.array_equal(host_rows, new.numpy())
 
 
 def test_a_budget_that_keeps_every_draft_leaves_the_step_as_scheduled():
-    """b* = all drafts needs no re-cut: the hook returns None and queues nothing on the device; a smaller budget
-    re-cuts with the same total on both sides."""
+    """b* = all drafts needs no re-cut: the hook returns None and queues nothing on the device (it does not even
+    read the device table); a smaller budget re-cuts with the same total on both sides."""
     from types import SimpleNamespace
-    conf = DraftConfidences(3, torch.device("cpu"))
+
+    class HostOnly(DraftConfidences):
+        def device_rows(self, request_ids):
+            raise AssertionError("a step kept as scheduled read the device table")
+
+    conf = HostOnly(3, torch.device("cpu"))
     conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
     step = SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r), draft_token_ids=[7] * 3)
                                       for r in ("a", "b")])
     free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1), CostCurve.from_samples({8: [1.0]}, max_captured=8))
     assert AdaptiveVerifier(conf, free, 1024)(step, None) is None
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
     steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
                         CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
     host, device = AdaptiveVerifier(conf, steep, 1024)(step, None)
@@ -279,15 +289,16 @@ def test_host_copies_land_in_turn_and_outlive_the_buffer_they_came_from():
     tables = [torch.rand(3, 2, device="cuda", generator=gen) for _ in range(4)]
     conf.update(["a", "b", "c"], tables[0])
     torch.cuda.synchronize()
-    _, first = conf.rows(["a", "b", "c"])
+    first, _ = conf.host_rows(["a", "b", "c"])
     assert np.array_equal(first, tables[0].cpu().numpy())
     landed = first.copy()
     for table in tables[1:]:
         conf.update(["a", "b", "c"], table)
     assert np.array_equal(first, landed)  # buffers 0 and 1 were written twice since
     torch.cuda.synchronize()
-    device, host = conf.rows(["c", "a"])
-    assert np.array_equal(host, tables[3].cpu().numpy()[[2, 0]]) and torch.equal(device, tables[3][[2, 0]])
+    host, _ = conf.host_rows(["c", "a"])
+    assert np.array_equal(host, tables[3].cpu().numpy()[[2, 0]])
+    assert torch.equal(conf.device_rows(["c", "a"]), tables[3][[2, 0]])
 
 
 def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
@@ -298,8 +309,10 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
     from types import SimpleNamespace
 
     class Unread(DraftConfidences):
-        def rows(self, request_ids):
+        def host_rows(self, request_ids):
             raise AssertionError("a host-bound step read the confidences")
+
+        device_rows = host_rows
 
     step = SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r), draft_token_ids=[7] * 3)
                                       for r in ("a", "b")])
@@ -326,8 +339,7 @@ def _step(*request_ids: str, drafts: int = 3):
 
 def _prediction(survivals: np.ndarray) -> SurvivalPrediction:
     """Every slot of every row scheduled, every row known to the host."""
-    ids = [str(i) for i in range(len(survivals))]
-    return SurvivalPrediction(survivals, None, ids, {rid: i for i, rid in enumerate(ids)})
+    return SurvivalPrediction(survivals, None, None)
 
 
 def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_predicted():
@@ -356,8 +368,8 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     # Only the rows the host had confidences for count, and only their scheduled slots.
     cal = SurvivalCalibration(2)
     prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]),
-                                    np.array([[True, True], [True, True], [True, False]]), ["a", "new", "c"],
-                                    {"a": 0, "c": 1})
+                                    np.array([[True, True], [True, True], [True, False]]),
+                                    np.array([True, False, True]))
     cal.observe(prediction, [2, 1, 0])
     assert cal.num_rows == 0 and cal.version == 0  # queued: fewer than CALIBRATION_BATCH_ROWS rows
     cal.fold()
@@ -381,7 +393,7 @@ def test_an_untrimmed_step_leaves_its_prediction_once_and_a_trimmed_one_none():
     assert verifier(_step("a", "b", "new"), None) is None
     prediction = verifier.take_prediction()
     # The raw running products, summed over the rows the host has confidences for ("new" reads 1.0: not counted).
-    assert prediction.known() == [True, True, False] and prediction.scheduled is None
+    assert prediction.known.tolist() == [True, True, False] and prediction.scheduled is None
     assert prediction.survivals[:2] == pytest.approx(np.array([[0.9, 0.72, 0.36], [0.6, 0.3, 0.12]]))
     assert verifier.take_prediction() is None
     # Rows with fewer drafts count only their scheduled slots.

@@ -9,6 +9,7 @@ in total.
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,13 +169,7 @@ class SurvivalPrediction:
     taken when the outcome comes, after the step is launched, not before it."""
     survivals: np.ndarray  # [R, K] running products, the rows in step order
     scheduled: np.ndarray | None  # [R, K] bool; None: every slot
-    request_ids: list[str]
-    host_index: dict[str, int]  # the landed table's rows when the budget read it (a table's own dict)
-
-    def known(self) -> list[bool]:
-        """Per row: whether the host had its confidences (only those rows count)."""
-        return [rid in self.host_index for rid in self.request_ids]
-
+    known: np.ndarray | None  # [R] bool: the rows that count; None: every row (the steady state)
 
 @dataclass(slots=True)
 class SurvivalCalibration:
@@ -226,19 +221,23 @@ class SurvivalCalibration:
         if not self._pending:
             return
         predictions = [p for p, _ in self._pending]
-        counted = np.array([k for p in predictions for k in p.known()], dtype=bool)
         survivals = np.concatenate([p.survivals for p in predictions])
-        accepted = np.array([a for _, row in self._pending for a in row], dtype=np.int64)
+        accepted = np.array(list(itertools.chain.from_iterable(row for _, row in self._pending)), dtype=np.int64)
         self._pending, self._pending_rows = [], 0
-        slots = counted[:, None]  # the slots that count: scheduled, in rows the host had confidences for
-        if any(p.scheduled is not None for p in predictions):
-            slots = slots & np.concatenate([p.scheduled if p.scheduled is not None
-                                            else np.ones(p.survivals.shape, bool) for p in predictions])
         K = self.num_spec
-        rows = int(counted.sum())
-        survived = (accepted[counted, None] > np.arange(K)[None, :]).sum(0)  # slot i survived: accepted > i
+        if all(p.known is None and p.scheduled is None for p in predictions):  # the steady state: every slot counts
+            rows, predicted = len(accepted), survivals.sum(0)
+        else:  # the slots that count: scheduled, in rows the host had confidences for
+            counted = np.concatenate([p.known if p.known is not None else np.ones(len(p.survivals), bool)
+                                      for p in predictions])
+            slots = np.concatenate([p.scheduled if p.scheduled is not None else np.ones(p.survivals.shape, bool)
+                                    for p in predictions]) & counted[:, None]
+            accepted = accepted[counted]
+            rows, predicted = len(accepted), np.where(slots, survivals, 0.0).sum(0)
+        # Slot i survived in the rows that accepted more than i drafts.
+        survived = np.bincount(accepted, minlength=K + 1)[::-1].cumsum()[::-1][1:K + 1]
         keep = (1.0 - 1.0 / CALIBRATION_ROWS) ** rows
-        self.predicted = keep * self.predicted + np.where(slots, survivals, 0.0).sum(0)
+        self.predicted = keep * self.predicted + predicted
         self.observed = keep * self.observed + survived
         self.scale = (self.observed + CALIBRATION_PRIOR) / (self.predicted + CALIBRATION_PRIOR)
         self.version += 1
@@ -415,7 +414,7 @@ class AdaptiveVerifier:
             budget, host_conf = offered, None
         else:
             request_ids = [s.request.request_id for s in rows]
-            device_conf, host_conf = self.confidences.rows(request_ids)
+            host_conf, known = self.confidences.host_rows(request_ids)
             # Every scheduled slot's survival: the running product of its row's confidences, up to its drafts.
             raw = host_conf.cumprod(axis=1)
             survivals = self.calibration.apply(raw)
@@ -433,8 +432,9 @@ class AdaptiveVerifier:
         self.num_kept += budget
         if budget == offered:
             if host_conf is not None:  # every scheduled slot is verified: its outcome calibrates (observe)
-                self._prediction = SurvivalPrediction(raw, scheduled, request_ids, self.confidences.host_index)
+                self._prediction = SurvivalPrediction(raw, scheduled, known)
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
+        device_conf = self.confidences.device_rows(request_ids)
         host = [1 + c for c in even_split(budget, drafts)]
         device_drafts = self._full_rows(R, device_conf.device) if full \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)
@@ -490,30 +490,33 @@ class DraftConfidences:
             # A copy out of the pinned buffer, which a later update writes again.
             self.host_index, self.host = index, host.float().numpy().copy()
 
-    def rows(self, request_ids: list[str]) -> tuple[torch.Tensor, np.ndarray]:
-        """The rows of these requests: device [R, K] float32 from the latest table, host [R, K] from the newest
-        landed one."""
+    def host_rows(self, request_ids: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The rows of these requests [R, K] from the newest landed table, and which of them it had (a bool per
+        row; None: all of them). A request it lacks reads 1.0."""
         self._landed()
-        K = self.num_spec
         if self.host is None:
-            host_rows = np.ones((len(request_ids), K), dtype=np.float32)
-        elif _same_order(request_ids, self.host_index):
-            host_rows = self.host
-        else:
-            host_rows = np.concatenate([self.host, np.ones((1, K), dtype=np.float32)])[
-                [self.host_index.get(rid, -1) for rid in request_ids]]
+            return np.ones((len(request_ids), self.num_spec), dtype=np.float32), np.zeros(len(request_ids), bool)
+        if _same_order(request_ids, self.host_index):
+            return self.host, None
+        picks = np.array([self.host_index.get(rid, -1) for rid in request_ids], dtype=np.int64)
+        ones = np.ones((1, self.num_spec), dtype=np.float32)
+        return np.concatenate([self.host, ones])[picks], picks >= 0
+
+    def device_rows(self, request_ids: list[str]) -> torch.Tensor:
+        """The rows of these requests [R, K] float32 from the latest table (the one the drafts of the step being
+        planned came with). Only a step that is re-cut reads it: each eager op here runs before the step's
+        graph, unoverlapped."""
+        K = self.num_spec
         if self.device is None:
             return async_tensor_h2d(np.ones((len(request_ids), K), dtype=np.float32), torch.float32,
-                                    self.table_device), host_rows
+                                    self.table_device)
         if _same_order(request_ids, self.index):
-            # The steady state: the same requests in the order they were drafted, so the table is the step's
-            # rows as it stands (no gather: each eager op here runs before the step's graph, unoverlapped).
-            return self.device.float(), host_rows
+            return self.device.float()  # the steady state: the requests in the order they were drafted, no gather
         # Row -1: a request with no confidences yet; it reads the 1.0 row appended here.
         picks = [self.index.get(rid, -1) for rid in request_ids]
         table = torch.cat([self.device.float(), self.device.new_ones(1, K, dtype=torch.float32)])
         idx = async_tensor_h2d(picks, torch.int64, table.device)  # pinned: a pageable copy would wait for the GPU
-        return table[idx], host_rows
+        return table[idx]
 
 
 def _same_order(request_ids: list[str], index: dict[str, int]) -> bool:
