@@ -367,9 +367,8 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     assert cal.scale[0] == pytest.approx((70 * keep + prior) / (50 * keep + 50 + prior))
     # Only the rows the host had confidences for count, and only their scheduled slots.
     cal = SurvivalCalibration(2)
-    prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]),
-                                    np.array([[True, True], [True, True], [True, False]]),
-                                    np.array([True, False, True]))
+    prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]), np.array([True, False, True]),
+                                    np.array([2, 2, 1]))
     cal.observe(prediction, [2, 1, 0])
     assert cal.num_rows == 0 and cal.version == 0  # queued: fewer than CALIBRATION_BATCH_ROWS rows
     cal.fold()
@@ -385,7 +384,7 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     assert cal.predicted.tolist() == [1.1, 0.25] and cal.observed.tolist() == [1.0, 1.0] and cal.num_rows == 2
 
 
-def test_an_untrimmed_step_leaves_its_prediction_once_and_a_trimmed_one_none():
+def test_every_step_that_read_survivals_leaves_its_prediction_once():
     conf = DraftConfidences(3, torch.device("cpu"))
     conf.update(["a", "b"], torch.tensor([[0.9, 0.8, 0.5], [0.6, 0.5, 0.4]]))
     free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1), CostCurve.from_samples({8: [1.0]}, max_captured=8))
@@ -393,18 +392,53 @@ def test_an_untrimmed_step_leaves_its_prediction_once_and_a_trimmed_one_none():
     assert verifier(_step("a", "b", "new"), None) is None
     prediction = verifier.take_prediction()
     # The raw running products, summed over the rows the host has confidences for ("new" reads 1.0: not counted).
-    assert prediction.known.tolist() == [True, True, False] and prediction.scheduled is None
+    assert prediction.known.tolist() == [True, True, False] and prediction.verified() is None
     assert prediction.survivals[:2] == pytest.approx(np.array([[0.9, 0.72, 0.36], [0.6, 0.3, 0.12]]))
     assert verifier.take_prediction() is None
-    # Rows with fewer drafts count only their scheduled slots.
+    # Rows with fewer drafts verify only those.
     step = _step("a", "b")
     step.scheduled[1].draft_token_ids = [7]
     verifier(step, None)
-    assert verifier.take_prediction().scheduled.tolist() == [[True] * 3, [True, False, False]]
+    assert verifier.take_prediction().verified().tolist() == [3, 1]
+    # A re-cut step leaves one too: the runner adds the rows' device lengths, which say what was verified.
     steep = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
                         CostCurve.from_samples({2: [1.0], 3: [1.0], 4: [50.0], 8: [50.0]}, max_captured=8))
     trimming = AdaptiveVerifier(conf, steep, 1024)
-    assert trimming(_step("a", "b"), None) is not None and trimming.take_prediction() is None
+    _, device_lens = trimming(_step("a", "b"), None)
+    prediction = trimming.take_prediction()
+    prediction.device_lens = device_lens
+    assert prediction.verified().tolist() == (device_lens - 1).tolist() == [1, 0]
+
+
+def test_a_re_cut_step_calibrates_only_the_slots_it_verified():
+    """Device caps [2, 1, 0]: row 0 accepted both its verified drafts, row 1 none, row 2 had none verified. Slots
+    past a row's cap are left out, also row 1's, whose fate is known (it failed before them): counting those
+    only where a row failed early would lower the ratios past the cap."""
+    cal = SurvivalCalibration(3)
+    survivals = np.array([[0.8, 0.4, 0.2], [0.6, 0.3, 0.15], [0.5, 0.25, 0.1]])
+    cal.observe(SurvivalPrediction(survivals, None, None, device_lens=torch.tensor([3, 2, 1], dtype=torch.int32)),
+                [2, 0, 0])
+    cal.fold()
+    assert cal.predicted.tolist() == pytest.approx([0.8 + 0.6, 0.4, 0.0])
+    assert cal.observed.tolist() == [1, 1, 0] and cal.num_rows == 3
+
+
+def test_calibration_from_re_cut_steps_finds_the_heads_bias(monkeypatch):
+    """Every position accepted at 1.5x the head's confidence, each row verified up to a cap chosen by its
+    confidences (as the device's top-b* does): the ratios find 1.5, 1.5^2 and 1.5^3, though most rows are capped
+    before the last position. Counting the slots past a cap where the row failed before it would not."""
+    monkeypatch.setattr(adaptive, "CALIBRATION_ROWS", float("inf"))  # every row counts: sampling noise alone
+    rng = np.random.default_rng(0)
+    cal = SurvivalCalibration(3)
+    for _ in range(40):
+        conf = rng.uniform(0.2, 0.6, (128, 3))
+        survivals = conf.cumprod(axis=1)
+        accepted = (rng.random((128, 3)) < 1.5 * conf).cumprod(axis=1).sum(1)
+        caps = (survivals > 0.1).sum(1)  # a confident row keeps more of its drafts
+        cal.observe(SurvivalPrediction(survivals, None, None, device_lens=torch.from_numpy(1 + caps)),
+                    np.minimum(accepted, caps).tolist())
+    cal.fold()
+    assert cal.scale == pytest.approx([1.5, 1.5 ** 2, 1.5 ** 3], rel=0.1)
 
 
 def test_calibrated_survivals_keep_every_draft_where_the_heads_own_would_trim():

@@ -3,6 +3,7 @@ device row lengths differ row by row, same total) still give exactly the tokens 
 because every kernel and the rejection sampler read the device offsets."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -258,13 +259,15 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 
-def test_untrimmed_steps_calibrate_the_survivals_with_what_each_row_accepted(graph_backends, model_dir, tmp_path,
-                                                                            monkeypatch):
-    """Every all-verify step keeps its drafts here, so each one's prediction travels with its outputs to the
-    engine (async scheduling: processed one step later), which hands back each row's accepted drafts. With
-    nothing forgotten, the calibration's observed survivals are the engine's per-position acceptance counts
-    exactly, over as many rows as verifications (one request: every verify step is an all-verify step, and its
-    prefill step drafted, so the host always has its confidences)."""
+@pytest.mark.parametrize("re_cut", [False, True], ids=["every-draft", "every-other-step-re-cut"])
+def test_every_all_verify_step_calibrates_the_survivals_with_what_each_row_accepted(graph_backends, model_dir,
+                                                                                   tmp_path, monkeypatch, re_cut):
+    """Each all-verify step's prediction travels with its outputs to the engine (async scheduling: processed
+    one step later), which hands back each row's accepted drafts. With nothing forgotten, the calibration's
+    observed survivals are the engine's per-position acceptance counts exactly, over as many rows as
+    verifications (one request: every verify step is an all-verify step, and its prefill step drafted, so the
+    host always has its confidences). With every other step re-cut on the device to one draft, those steps
+    count that slot alone: the runner hands the device's row lengths to their predictions."""
     from vllm.spec_decode import adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
@@ -273,7 +276,9 @@ def test_untrimmed_steps_calibrate_the_survivals_with_what_each_row_accepted(gra
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = _llm(model_dir, graph_backends).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
-    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: len(survivals))
+    budgets = itertools.count()
+    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: 1 if re_cut and next(budgets) % 2
+                        else len(survivals))
     monkeypatch.setattr(adaptive, "CALIBRATION_ROWS", float("inf"))  # nothing forgotten: exact counts
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
@@ -283,13 +288,25 @@ def test_untrimmed_steps_calibrate_the_survivals_with_what_each_row_accepted(gra
     verifier = llm.llm_engine.runner.adaptive_verifier
     if verifier.times is not None:  # (GPU) a host-bound step would keep its drafts without reading survivals
         verifier.times.overlapped = False
+        # (GPU) a re-cut without first re-measuring the untrimmed step
+        monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)
+    seen = []
+    observe = verifier.observe
+    monkeypatch.setattr(verifier, "observe", lambda p, accepted: (seen.append(p), observe(p, accepted)))
     got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     stats, cal = llm.llm_engine.spec_decode_stats, verifier.calibration
     cal.fold()  # the outcomes still queued (they are folded in batches)
-    assert stats.num_drafts >= 5 and stats.num_unverified_draft_tokens == 0
-    assert cal.num_rows == stats.num_drafts
+    assert stats.num_drafts >= 5 and cal.num_rows == stats.num_drafts == len(seen)
+    scheduled = [3 if p.drafts is None else int(p.drafts[0]) for p in seen]  # (fewer near max_tokens)
+    verified = [3 if p.verified() is None else int(p.verified()[0]) for p in seen]
+    re_cuts = [p.device_lens is not None for p in seen]
+    assert any(re_cuts) == re_cut and all(v == 1 for v, r in zip(verified, re_cuts) if r)
+    assert all(v == s for v, s, r in zip(verified, scheduled, re_cuts) if not r)
+    assert stats.num_unverified_draft_tokens == sum(scheduled) - sum(verified)
     assert cal.observed.tolist() == stats.num_accepted_tokens_per_pos
+    slots = np.arange(3)[None, :] < np.array(verified)[:, None]
+    assert cal.predicted == pytest.approx(np.where(slots, np.concatenate([p.survivals for p in seen]), 0).sum(0))
     assert (cal.predicted > 0).all() and np.all(np.diff(cal.predicted) <= 0)  # sums of running products
     llm.llm_engine.kv_cache_manager.assert_all_free()
 

@@ -235,7 +235,7 @@ class LLMEngine:
         self._waited += launched.waited
         self._drained_shape = (len(sched.scheduled), launched.num_tokens) \
             if len(launched.verify_rows) == len(sched.scheduled) else None
-        if launched.survival_prediction is not None:  # an untrimmed step: its acceptance calibrates the budget
+        if launched.survival_prediction is not None:  # an all-verify step: its acceptance calibrates the budget
             self.runner.adaptive_verifier.observe(launched.survival_prediction,
                                                   [len(result.sampled[rid]) - 1 for rid in launched.verify_rows])
         return self._process_step(sched, result)

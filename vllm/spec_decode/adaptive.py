@@ -163,13 +163,23 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
 
 @dataclass(slots=True)
 class SurvivalPrediction:
-    """What an untrimmed all-verify step's budget read: each row's survivals (uncalibrated), which slots were
-    scheduled, and which rows the host had confidences for (the others read 1.0, a placeholder, not a
-    prediction). The step's outcome is set against it (AdaptiveVerifier.observe). Kept as read: the sums are
-    taken when the outcome comes, after the step is launched, not before it."""
+    """What an all-verify step's budget read: each row's survivals (uncalibrated) and which rows the host had
+    confidences for (the others read 1.0, a placeholder, not a prediction); then which slots the step verified.
+    The step's outcome is set against it (AdaptiveVerifier.observe). Kept as read: the sums are taken when the
+    outcome comes, after the step is launched, not before it."""
     survivals: np.ndarray  # [R, K] running products, the rows in step order
-    scheduled: np.ndarray | None  # [R, K] bool; None: every slot
     known: np.ndarray | None  # [R] bool: the rows that count; None: every row (the steady state)
+    drafts: np.ndarray | None  # [R] drafts scheduled per row; None: K each
+    # The rows' lengths on the device (1 + drafts verified) of a step re-cut there, as a host copy queued behind
+    # the step (the runner sets it: it applies the re-cut); read once the step's outputs have landed. None: the
+    # step verified every scheduled draft.
+    device_lens: torch.Tensor | None = None
+
+    def verified(self) -> np.ndarray | None:
+        """Drafts verified per row [R]; None: K each."""
+        if self.device_lens is not None:
+            return self.device_lens.numpy().astype(np.int64) - 1
+        return self.drafts
 
 @dataclass(slots=True)
 class SurvivalCalibration:
@@ -181,11 +191,14 @@ class SurvivalCalibration:
     serving accepts: under greedy the built-in draft's positions are accepted at 0.73 / 0.46 / 0.33 where its
     head predicts about 0.54 / 0.26 / 0.13, and survivals that low make trimming look better than it is.
 
-    Only untrimmed steps are counted (every scheduled draft verified): there a row that accepted a drafts
-    survived exactly at slots 0..a-1 of its drafts. In a trimmed step the host does not know each row's cap,
-    so a short acceptance may be a cap. Sums decay by row (about the last CALIBRATION_ROWS rows count), so the
-    ratios follow a changing workload; CALIBRATION_PRIOR slots at ratio 1 shrink the first few rows' ratios.
-    Outcomes are queued and folded in batches of CALIBRATION_BATCH_ROWS rows."""
+    Every all-verify step whose survivals were read counts, over the slots it verified: a row's first c drafts,
+    c its scheduled drafts, or its device cap in a step re-cut there. A row that accepted a of them survived
+    exactly at slots 0..a-1. Slots past c are left out even where known (a < c: they did not survive), so that
+    which slots count depends on the confidences alone, never on the outcome; counting them only when a < c
+    would count the rows that failed early. Rows the host had no confidences for are left out too. Sums decay
+    by row (about the last CALIBRATION_ROWS rows count), so the ratios follow a changing workload;
+    CALIBRATION_PRIOR slots at ratio 1 shrink the first few rows' ratios. Outcomes are queued and folded in
+    batches of CALIBRATION_BATCH_ROWS rows."""
     num_spec: int
     predicted: np.ndarray = field(init=False)
     observed: np.ndarray = field(init=False)
@@ -209,8 +222,8 @@ class SurvivalCalibration:
         return np.minimum.accumulate(scaled, axis=1, out=scaled)
 
     def observe(self, prediction: SurvivalPrediction, num_accepted: list[int]) -> None:
-        """An untrimmed step's outcome: each row's accepted drafts, in step order. Queued; folded in once the
-        queue holds CALIBRATION_BATCH_ROWS rows."""
+        """A step's outcome: each row's accepted drafts, in step order. Queued; folded in once the queue holds
+        CALIBRATION_BATCH_ROWS rows."""
         self._pending.append((prediction, num_accepted))
         self._pending_rows += len(num_accepted)
         if self._pending_rows >= CALIBRATION_BATCH_ROWS:
@@ -225,13 +238,15 @@ class SurvivalCalibration:
         accepted = np.array(list(itertools.chain.from_iterable(row for _, row in self._pending)), dtype=np.int64)
         self._pending, self._pending_rows = [], 0
         K = self.num_spec
-        if all(p.known is None and p.scheduled is None for p in predictions):  # the steady state: every slot counts
+        verified = [p.verified() for p in predictions]
+        if all(p.known is None for p in predictions) and all(v is None for v in verified):  # the steady state
             rows, predicted = len(accepted), survivals.sum(0)
-        else:  # the slots that count: scheduled, in rows the host had confidences for
+        else:  # the slots that count: verified, in rows the host had confidences for
             counted = np.concatenate([p.known if p.known is not None else np.ones(len(p.survivals), bool)
                                       for p in predictions])
-            slots = np.concatenate([p.scheduled if p.scheduled is not None else np.ones(p.survivals.shape, bool)
-                                    for p in predictions]) & counted[:, None]
+            caps = np.concatenate([v if v is not None else np.full(len(p.survivals), K)
+                                   for p, v in zip(predictions, verified)])
+            slots = (np.arange(K)[None, :] < caps[:, None]) & counted[:, None]
             accepted = accepted[counted]
             rows, predicted = len(accepted), np.where(slots, survivals, 0.0).sum(0)
         # Slot i survived in the rows that accepted more than i drafts.
@@ -357,11 +372,11 @@ class AdaptiveVerifier:
     """The device-trim hook (ModelRunner.set_device_trim_hook) of adaptive verification with DSpark.
 
     On an all-verify step: survivals from the newest landed host copy of the draft's confidences (one step
-    stale under async scheduling), calibrated by what untrimmed steps accepted (SurvivalCalibration), b* from
+    stale under async scheduling), calibrated by what earlier steps accepted (SurvivalCalibration), b* from
     the cost tables and what the engine measured (StepTimes; a trim only against a recent measurement of the
     untrimmed step), the host's even split for the metadata, and the device's survival split from the device
-    table. An untrimmed step whose survivals were read leaves its prediction (take_prediction), and the engine
-    hands back what the step accepted (observe)."""
+    table. A step whose survivals were read leaves its prediction (take_prediction), and the engine hands back
+    what the step accepted (observe)."""
 
     def __init__(self, confidences: DraftConfidences, costs: VerifyCosts, max_total_logits: int,
                  times: StepTimes | None = None) -> None:
@@ -381,17 +396,17 @@ class AdaptiveVerifier:
         return self._full[:num_rows]
 
     def take_prediction(self) -> SurvivalPrediction | None:
-        """The prediction of the step the last call planned, if it read survivals and kept every draft; once."""
+        """The prediction of the step the last call planned, if it read survivals; once."""
         prediction, self._prediction = self._prediction, None
         return prediction
 
     def observe(self, prediction: SurvivalPrediction, num_accepted: list[int]) -> None:
-        """What the untrimmed step of `prediction` accepted, per row in its order."""
+        """What the step of `prediction` accepted, per row in its order (once its outputs have landed)."""
         self.calibration.observe(prediction, num_accepted)
 
     def _device_scale(self, device: torch.device) -> torch.Tensor:
-        """The calibration's scale on the device, uploaded again only once it changed (an untrimmed step's
-        outcome): a trimming run mostly reuses it."""
+        """The calibration's scale on the device, uploaded again only once it changed (a fold of queued
+        outcomes, every CALIBRATION_BATCH_ROWS rows)."""
         cal = self.calibration
         if self._scale is None or self._scale[0] != cal.version:
             self._scale = (cal.version, async_tensor_h2d(cal.scale, torch.float32, device))
@@ -411,15 +426,15 @@ class AdaptiveVerifier:
                 and times.host >= self.costs.step_costs(R, R, offered)[-1]:
             # The host is the slower side even with every draft verified: no budget shortens the step, and
             # choose_budget would keep every draft (short of drafts whose survival is 0). Skip reading confidences.
-            budget, host_conf = offered, None
+            budget = offered
         else:
             request_ids = [s.request.request_id for s in rows]
             host_conf, known = self.confidences.host_rows(request_ids)
             # Every scheduled slot's survival: the running product of its row's confidences, up to its drafts.
             raw = host_conf.cumprod(axis=1)
             survivals = self.calibration.apply(raw)
-            scheduled = None if full else np.arange(K)[None, :] < np.array(drafts)[:, None]
-            survivals = survivals.ravel() if scheduled is None else survivals[scheduled]
+            drafts_per_row = None if full else np.array(drafts)
+            survivals = survivals.ravel() if full else survivals[np.arange(K)[None, :] < drafts_per_row[:, None]]
             budget = choose_budget(survivals, R, R, R, self.max_total_logits, 1, self.costs, times)
             if budget < most and times is not None and times.stale(R, R + most):
                 # A trimmed step is only chosen against a recent measurement of the untrimmed one, which is what
@@ -427,12 +442,12 @@ class AdaptiveVerifier:
                 budget = most
                 self.num_refreshed += 1
                 times.remeasure(R, R + most)
+            # Its outcome calibrates the survivals (observe); a re-cut's caps are added by the runner.
+            self._prediction = SurvivalPrediction(raw, known, drafts_per_row)
         self.last_budget = budget
         self.num_offered += offered
         self.num_kept += budget
         if budget == offered:
-            if host_conf is not None:  # every scheduled slot is verified: its outcome calibrates (observe)
-                self._prediction = SurvivalPrediction(raw, scheduled, known)
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         device_conf = self.confidences.device_rows(request_ids)
         host = [1 + c for c in even_split(budget, drafts)]

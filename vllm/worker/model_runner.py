@@ -99,8 +99,8 @@ class AsyncModelRunnerOutput:
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
     waited: float = 0.0  # seconds get_output() waited for the device
     num_tokens: int = 0  # target tokens the step ran, after any device trim, without graph padding
-    # Adaptive verification: what the budget of this untrimmed all-verify step predicted, which its accepted
-    # drafts calibrate (AdaptiveVerifier.observe); None for other steps.
+    # Adaptive verification: what the budget of this all-verify step predicted, which its accepted drafts
+    # calibrate (AdaptiveVerifier.observe); None for other steps.
     survival_prediction: SurvivalPrediction | None = None
 
     @property
@@ -561,9 +561,11 @@ class ModelRunner:
             if trim is not None:
                 trimmed, device_lens = trim
                 common = self.input_batch.trim_on_device(common, trimmed, device_lens)
-        # Taken every step, so that a prediction never outlives its step; a step trimmed after all (the seam may
-        # be wrapped) verified only some slots, which would miscount.
+        # Taken every step, so that a prediction never outlives its step. The rows' device lengths are the re-cut
+        # applied here, whichever hook made it (the seam may be wrapped): they say which slots were verified.
         prediction = self.adaptive_verifier.take_prediction() if self.adaptive_verifier is not None else None
+        if prediction is not None and trimmed is not None:
+            prediction.device_lens = async_tensor_d2h(device_lens)
         T = common.num_actual_tokens
         desc = self._graph_for(common)
         tail = None
@@ -580,7 +582,7 @@ class ModelRunner:
             replayed = self.graphs.replay(desc)
             tail = replayed if isinstance(replayed, DecodeTail) else None
             hidden = (replayed.hidden if tail is not None else replayed)[:T]
-        result = AsyncModelRunnerOutput(num_tokens=T, survival_prediction=prediction if trimmed is None else None)
+        result = AsyncModelRunnerOutput(num_tokens=T, survival_prediction=prediction)
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
