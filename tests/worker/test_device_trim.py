@@ -44,8 +44,9 @@ def uneven_trim(calls: list):
 
 def _llm(model_dir, backends, **kwargs) -> LLM:
     kwargs.setdefault("enforce_eager", True)
+    kwargs.setdefault("max_num_batched_tokens", 32)
     return LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
-               max_num_batched_tokens=32, max_num_seqs=4, **backends, **kwargs)
+               max_num_seqs=4, **backends, **kwargs)
 
 
 def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
@@ -309,6 +310,58 @@ def test_every_all_verify_step_calibrates_the_survivals_with_what_each_row_accep
     assert cal.predicted == pytest.approx(np.where(slots, np.concatenate([p.survivals for p in seen]), 0).sum(0))
     assert (cal.predicted > 0).all() and np.all(np.diff(cal.predicted) <= 0)  # sums of running products
     llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_adaptive_verification_is_lossless_under_chunking_preemption_and_aborts(graph_backends, model_dir,
+                                                                              tmp_path, monkeypatch):
+    """Adaptive verification under async scheduling, every other all-verify step re-cut on the device to half
+    its drafts (the budget is forced, so that both kinds of step meet the rest): chunked prefills, a cache too
+    small for every request at once (preemption), then two requests aborted mid-run. Greedy output equals no
+    speculation's, the steps calibrate, and no block is leaked."""
+    from vllm.spec_decode import adaptive
+    from vllm.tools.make_dspark_draft import write_dspark_draft
+    from vllm.worker import model_runner
+    draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (9, 40, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
+    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    budgets = itertools.count()
+    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: len(survivals) // 2 if next(budgets) % 2
+                        else len(survivals))
+    monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)  # (GPU) no untrimmed re-measures
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                             "cudagraph_capture_sizes": [4, 8]}}
+    # 9 blocks of 16 tokens: the four requests need 11 at once (prompt, 12 tokens and 3 drafts each).
+    llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), async_scheduling=True,
+               max_num_batched_tokens=16, num_gpu_blocks_override=9,
+               speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": 3,
+                                   "enable_adaptive_verification": True})
+    verifier = llm.llm_engine.runner.adaptive_verifier
+    if verifier.times is not None:  # (GPU) a host-bound step would keep its drafts without asking the budget
+        verifier.times.overlapped = False
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    stats = llm.llm_engine.spec_decode_stats
+    assert 0 < stats.num_unverified_draft_tokens < verifier.num_offered  # re-cut steps and whole ones
+    verifier.calibration.fold()
+    assert verifier.calibration.num_rows > 0
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["r1", "r2"])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"r0": want[0], "r3": want[3]}
+    engine.kv_cache_manager.assert_all_free()
 
 
 def test_a_step_scheduled_over_a_verify_step_in_flight_is_placed_on_the_device():
