@@ -181,6 +181,7 @@ class SurvivalPrediction:
             return self.device_lens.numpy().astype(np.int64) - 1
         return self.drafts
 
+
 @dataclass(slots=True)
 class SurvivalCalibration:
     """Per draft position i, the ratio of observed to predicted survival over recently verified slots, which the
