@@ -338,7 +338,7 @@ def _step(*request_ids: str, drafts: int = 3):
 
 
 def _prediction(survivals: np.ndarray) -> SurvivalPrediction:
-    """Every slot of every row scheduled, every row known to the host."""
+    """Every slot of every row verified, every row known to the host."""
     return SurvivalPrediction(survivals, None, None)
 
 
@@ -365,7 +365,7 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), [0] * 100)
     cal.fold()
     assert cal.scale[0] == pytest.approx((70 * keep + prior) / (50 * keep + 50 + prior))
-    # Only the rows the host had confidences for count, and only their scheduled slots.
+    # Only the rows the host had confidences for count, and only their verified slots.
     cal = SurvivalCalibration(2)
     prediction = SurvivalPrediction(np.array([[0.5, 0.25], [0.8, 0.4], [0.6, 0.3]]), np.array([True, False, True]),
                                     np.array([2, 2, 1]))
