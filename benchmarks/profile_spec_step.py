@@ -215,7 +215,7 @@ def main() -> None:
     if verifier is not None:  # what adaptive's budget chose and weighed, over all runs so far
         times = verifier.times
         print(f"adaptive: kept {verifier.num_kept} of {verifier.num_offered} drafts, {verifier.num_refreshed} steps "
-              f"re-measured untrimmed; survivals calibrated x{[round(r, 2) for r in verifier.calibration.scale]} "
+              f"re-measured untrimmed; survivals calibrated x{verifier.calibration.scale.round(2).tolist()} "
               f"per position over {verifier.calibration.num_rows} rows" + ("" if times is None else
                                           f"; host {times.host * 1e3:.3f} ms per step, measured periods (ms, "
                                           f"requests x graph tokens): {times.summary_ms()}"))
