@@ -71,7 +71,7 @@ def main() -> None:
             costs = VerifyCosts(draft, verify)
             for _ in range(MIN_PERIOD_SAMPLES):  # the untrimmed step, recently measured: trimming may be chosen
                 period = float(costs.step_costs(R, R, R * K)[-1])
-                times.record(period, period - host, (R, R + R * K))
+                times.record(period, period - host, (R, R + R * K, False))
             verifier = AdaptiveVerifier(conf, costs, 8192, times)
             row[f"hook_{case}_us"] = host_us(lambda: verifier(step, None), args.iters, args.repeats)  # noqa: B023
             row[f"hook_{case}_kept"] = f"{verifier.last_budget} of {R * K} drafts"

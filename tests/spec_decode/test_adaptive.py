@@ -85,17 +85,58 @@ def test_measured_periods_replace_the_tables_for_their_graph_shapes():
     tables = _h200_tables_at_8_requests()
     survivals = np.tile([0.73, 0.46, 0.33], 8)
     times = StepTimes(True, tables.verify.padded)
-    for tokens, period in ((16, 2.28), (32, 2.45)) * 3:
-        times.record(period, period, (8, tokens))  # all waits: no host time of its own
+    for tokens, period in ((16, 2.28), (32, 2.45)) * 3:  # all waits: no host time of its own
+        times.record(period, period, (8, tokens, tokens < 32))  # the trimmed step was re-cut
     assert times.host == 0.0
     assert choose_budget(survivals, 8, 8, 8, 1024, 1, tables, times) == 24
     # The 24-token graph measured cheap: 16 drafts (the first two positions of every request) are the best buy.
     for _ in range(3):
-        times.record(1.5, 1.5, (8, 17))
+        times.record(1.5, 1.5, (8, 17, True))
     assert choose_budget(survivals, 8, 8, 8, 1024, 1, tables, times) == 16
     # Another number of requests has no periods of its own: the tables decide.
     assert choose_budget(survivals[:21], 7, 7, 7, 1024, 1, tables, times) == \
         choose_budget(survivals[:21], 7, 7, 7, 1024, 1, tables) == 9
+
+
+def test_a_re_cut_pays_its_own_cost():
+    """Two requests of 3 drafts whose last two are doubtful (0.1, 0.05). Dropping the last saves a graph token:
+    free, the re-cut would be worth it (5.7 tokens in 1.0 against 5.75 in 1.05). With the re-cut's own cost
+    (0.1) on every budget short of the scheduled drafts, every draft is; once re-cut steps in the 7-token graph
+    were measured cheap (0.9, re-cut included), that period stands for those budgets, and the step trims."""
+    survivals = np.array([0.9, 0.9, 0.9, 0.9, 0.1, 0.05])
+    verify = CostCurve.from_samples({4: [1.0], 6: [1.0], 7: [1.0], 8: [1.05]}, max_captured=8)
+    free = VerifyCosts(CostCurve.from_samples({2: [0.0]}, 2), verify)
+    assert choose_budget(survivals, 2, 2, 2, 1024, 1, free) == 5
+    costly = VerifyCosts(CostCurve.from_samples({2: [0.0]}, 2), verify, recut=CostCurve.from_samples({2: [0.1]}, 2))
+    assert costly.recut_cost(2) == 0.1 and free.recut_cost(2) == 0.0
+    assert choose_budget(survivals, 2, 2, 2, 1024, 1, costly) == 6
+    times = StepTimes(True, verify.padded)
+    for _ in range(3):
+        times.record(1.05, 1.05, (2, 8, False))
+    assert choose_budget(survivals, 2, 2, 2, 1024, 1, costly, times) == 6
+    for _ in range(3):
+        times.record(0.9, 0.9, (2, 7, True))
+    assert times.summary_ms() == pytest.approx({"2x8": 1050.0, "2x7 re-cut": 900.0})
+    assert choose_budget(survivals, 2, 2, 2, 1024, 1, costly, times) == 5
+
+
+def test_re_cut_periods_stand_only_for_the_budgets_that_re_cut():
+    """Budgets 5 and 6 of 6 drafts pad to the same 8-token graph, measured untrimmed at 1.0 and re-cut at 3.0:
+    the untrimmed budget keeps its own period; budget 5 takes the re-cut's; budgets in the unmeasured 4-token
+    graph take the table plus the re-cut's cost."""
+    verify = CostCurve.from_samples({4: [1.0], 8: [1.0]}, max_captured=8)
+    costs = VerifyCosts(CostCurve.from_samples({2: [0.0]}, 2), verify, recut=CostCurve.from_samples({2: [0.5]}, 2))
+    times = StepTimes(True, verify.padded)
+    for _ in range(3):
+        times.record(1.0, 1.0, (2, 8, False))
+        times.record(3.0, 3.0, (2, 7, True))
+    cost = times.step_costs(costs.step_costs(2, 2, 6), 2, 2)
+    cost[:6] += costs.recut_cost(2)
+    times.take_recut_periods(cost, 2, 2, 6)
+    assert cost.tolist() == [1.5, 1.5, 1.5, 3.0, 3.0, 3.0, 1.0]
+    # choose_budget weighs the same costs: with two drafts worth nothing, every draft still wins (6 tokens in
+    # 1.0 against 6 in 3.0 at budget 4, or 4 in 1.5 at budget 2).
+    assert choose_budget(np.array([1.0] * 4 + [0.0] * 2), 2, 2, 2, 1024, 1, costs, times) == 6
 
 
 def test_step_times_keep_the_median_of_each_graph_shapes_last_periods():
@@ -105,16 +146,16 @@ def test_step_times_keep_the_median_of_each_graph_shapes_last_periods():
     times = StepTimes(True, curve.padded, smoothing=0.5)
     times.record(2.0, 0.5, None)  # the step waited for was no all-verify step: the host's time only
     assert times.host == 1.5 and times.num_steps == 0
-    times.record(4.0, 0.5, (2, 7))
+    times.record(4.0, 0.5, (2, 7, False))
     assert times.host == pytest.approx(2.5)  # a moving average: 1.5 + 0.5 * (3.5 - 1.5)
     for period in (100.0, 5.0, 6.0, 7.0, 9.0):  # an outlier, then more periods of the 8-token graph at 2 requests
-        times.record(period, period, (2, 8))
+        times.record(period, period, (2, 8, False))
     assert times.num_steps == 6
     # Budgets 0..5 at 2 requests: 2..7 tokens, graphs 4, 4, 4, 8, 8, 8. The 8-token graph's last PERIOD_SAMPLES
     # periods (of 7 and 8 tokens alike) are 5, 6, 7, 9 and the outlier: their median is 7.
     device = np.full(6, 0.01)
     assert times.step_costs(device, 2, 2).tolist() == [times.host] * 3 + [7.0] * 3  # unmeasured: max(host, device)
-    times.record(8.0, 8.0, (2, 8))  # the outlier leaves the window
+    times.record(8.0, 8.0, (2, 8, False))  # the outlier leaves the window
     assert times.step_costs(device, 2, 2)[-1] == 7.0  # the median of 5, 6, 7, 9, 8
 
 
@@ -132,7 +173,7 @@ def test_a_trimmed_budget_waits_for_a_recent_measurement_of_the_untrimmed_step()
     conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
     times = StepTimes(False, steep.verify.padded)
     verifier = AdaptiveVerifier(conf, steep, 1024, times)
-    full, trimmed = (2, 8), (2, 3)
+    full, trimmed = (2, 8, False), (2, 3, True)
     for _ in range(adaptive.MIN_PERIOD_SAMPLES):
         assert verifier(step, None) is None and verifier.last_budget == 6  # every draft: the untrimmed shape
         times.record(50.0, 49.0, full)
@@ -154,13 +195,13 @@ def test_a_remeasure_in_flight_is_not_asked_for_twice():
     assert times.stale(2, 8)
     times.remeasure(2, 8)
     assert not times.stale(2, 8)
-    times.record(3.0, 3.0, (2, 3))  # the period of the step launched before it
+    times.record(3.0, 3.0, (2, 3, False))  # the period of the step launched before it
     assert not times.stale(2, 8)
-    times.record(8.0, 8.0, (2, 8))  # its own
+    times.record(8.0, 8.0, (2, 8, False))  # its own
     assert times.stale(2, 8)  # one period of the MIN_PERIOD_SAMPLES wanted
     times.remeasure(2, 8)
-    times.record(3.0, 3.0, (2, 3))
-    times.record(3.0, 3.0, (2, 3))
+    times.record(3.0, 3.0, (2, 3, False))
+    times.record(3.0, 3.0, (2, 3, False))
     assert times.stale(2, 8)  # its period did not come
 
 
@@ -301,6 +342,24 @@ def test_host_copies_land_in_turn_and_outlive_the_buffer_they_came_from():
     assert torch.equal(conf.device_rows(["c", "a"]), tables[3][[2, 0]])
 
 
+@pytest.mark.gpu
+def test_the_host_copy_reads_the_table_before_the_next_draft_rewrites_it():
+    """The copy runs on a stream of its own, behind the drafter's write; the next draft (here a fill behind a
+    busy stream) waits for it (before_redraft), so the host reads the table as written."""
+    conf = DraftConfidences(2, torch.device("cuda"))
+    table = torch.full((3, 2), -1.0, device="cuda")
+    want = torch.rand(3, 2, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the step's stream busy for tens of ms: everything below is queued behind it
+    table.copy_(want)  # the drafter writes the table
+    conf.update(["a", "b", "c"], table)
+    conf.before_redraft()
+    table.fill_(5.0)  # the next draft rewrites it
+    torch.cuda.synchronize()
+    host, _ = conf.host_rows(["a", "b", "c"])
+    assert np.array_equal(host, want.cpu().numpy())
+
+
 def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
     """Under async scheduling, when the host's time per step is at least the device's with every draft verified,
     no budget shortens the step: the hook keeps every draft without reading the confidences. Below that, or
@@ -326,7 +385,7 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
     for host, overlapped in ((1.0, True), (50.0, False)):
         times = StepTimes(overlapped, steep.verify.padded)
         for _ in range(adaptive.MIN_PERIOD_SAMPLES):  # the untrimmed step, freshly measured
-            times.record(host + 50.0, 50.0, (2, 8))
+            times.record(host + 50.0, 50.0, (2, 8, False))
         host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, times)(step, None)
         assert sum(host_lens) == int(device_lens.sum()) < 8
 
@@ -452,7 +511,7 @@ def test_calibrated_survivals_keep_every_draft_where_the_heads_own_would_trim():
     tables = _h200_tables_at_8_requests()
     times = StepTimes(True, tables.verify.padded)
     for tokens, period in ((16, 1.93), (32, 2.60)) * 3:
-        times.record(period, period, (8, tokens))
+        times.record(period, period, (8, tokens, tokens < 32))
     verifier = AdaptiveVerifier(conf, tables, 1024, times)
     assert verifier(_step(*rids), None) is not None and verifier.last_budget == 8
     # Untrimmed steps (re-measures) seen: of 100 rows, 73 accepted >= 1 draft, 46 >= 2, 33 all three.

@@ -154,7 +154,7 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
                    "enable_adaptive_verification": True})
     verifier = llm.llm_engine.runner.device_trim_hook
     assert isinstance(verifier, adaptive.AdaptiveVerifier)
-    assert verifier.costs.verify(1) > 0 and verifier.costs.draft(1) >= 0
+    assert verifier.costs.verify(1) > 0 and verifier.costs.draft(1) >= 0 and verifier.costs.recut(1) > 0
     times = llm.llm_engine.runner.step_times
     assert verifier.times is times
     if times is not None:  # (GPU) every all-verify step through choose_budget, whose choice the test replaces:
@@ -257,6 +257,8 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     assert verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
     full = f"2x{times.graph_tokens(2 + 2 * 3)}"
     assert times.summary_ms()[full] == pytest.approx(1e3 * (2 + 2 * 3))
+    # The trimmed steps (budget 0: a row's current token only) were recorded apart, as re-cut steps.
+    assert times.summary_ms()[f"2x{times.graph_tokens(2)} re-cut"] == pytest.approx(1e3 * 2)
     llm.llm_engine.kv_cache_manager.assert_all_free()
 
 

@@ -61,11 +61,11 @@ class LLMEngine:
         self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
         # Adaptive verification's step times (runner.step_times): when the last step started, if every row of it
-        # verified drafts; how long it waited for the device; and (requests, tokens) of the all-verify step it
-        # waited for, if it waited for one.
+        # verified drafts; how long it waited for the device; and (requests, tokens, re-cut) of the all-verify
+        # step it waited for, if it waited for one.
         self._verify_step_start: float | None = None
         self._waited = 0.0
-        self._drained_shape: tuple[int, int] | None = None
+        self._drained_shape: tuple[int, int, bool] | None = None
         # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
         self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
@@ -233,7 +233,7 @@ class LLMEngine:
         self.in_flight = None
         result = launched.get_output()
         self._waited += launched.waited
-        self._drained_shape = (len(sched.scheduled), launched.num_tokens) \
+        self._drained_shape = (len(sched.scheduled), launched.num_tokens, launched.recut) \
             if len(launched.verify_rows) == len(sched.scheduled) else None
         if launched.survival_prediction is not None:  # an all-verify step: its acceptance calibrates the budget
             self.runner.adaptive_verifier.observe(launched.survival_prediction,

@@ -90,6 +90,10 @@ class CostCurve:
 class VerifyCosts:
     draft: CostCurve  # by number of requests drafted for
     verify: CostCurve  # by target tokens in the step
+    # A trimmed step's own work besides its graph, by requests: the device split, the re-cut of the step's inputs
+    # and the copy of its row lengths, a few dozen small ops that a step verifying every draft does not run.
+    # None: free (upstream re-cuts every step, so it has no such term).
+    recut: CostCurve | None = None
     # (requests, non-draft tokens, largest budget) -> the step's cost at each budget 0..largest: a step at a
     # steady concurrency asks for the same vector every time, and building it is most of the budget's host work.
     _steps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
@@ -103,12 +107,19 @@ class VerifyCosts:
             cost = self._steps[key] = self.draft(num_reqs) + np.maximum(verify, MIN_VERIFY_COST)
         return cost
 
+    def recut_cost(self, num_reqs: int) -> float:
+        return 0.0 if self.recut is None else self.recut(num_reqs)
+
 
 def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling_reqs: int, num_reqs: int,
                   max_total_logits: int, num_bonus: int, costs: VerifyCosts, times: StepTimes | None = None) -> int:
     """b* = argmax over b in 0..B_max of (N_s + sum_{i<b} S_i) / step_cost(b). The device's part of a step is
     device(b) = draft_cost[num_reqs] + verify_cost[T0 + b], upstream's whole cost; with `times`, the host's part
     is added (overlapped or not) and measured shapes take their measured periods (StepTimes.step_costs).
+
+    A budget below the scheduled drafts re-cuts the step on the device, which costs `costs.recut` on top (or a
+    re-cut step's measured period): without it, trimming a few doubtful drafts whose step pads to the same or
+    a barely cheaper graph looks free, and on the H200 such trims cost more than they saved.
 
     survivals: every scheduled draft slot's survival (the running product of its request's confidences), any
     order; T0 = num_non_draft_tokens; N_s = num_sampling_reqs; B_max = min(slots, max_total_logits - num_reqs *
@@ -120,7 +131,11 @@ def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling
     S[:b_max].cumsum(out=gain[1:])
     gain[1:] += num_sampling_reqs
     cost = costs.step_costs(num_reqs, num_non_draft_tokens, b_max)
-    gain /= cost if times is None else times.step_costs(cost, num_reqs, num_non_draft_tokens)
+    cost = cost.copy() if times is None else times.step_costs(cost, num_reqs, num_non_draft_tokens)
+    cost[:len(S)] += costs.recut_cost(num_reqs)  # every budget short of the scheduled drafts re-cuts
+    if times is not None:
+        times.take_recut_periods(cost, num_reqs, num_non_draft_tokens, len(S))
+    gain /= cost
     return int(gain.argmax())
 
 
@@ -286,6 +301,7 @@ class StepTimes:
       device and their overlap together, as the loop's period in which it was the step waited for (under async
       scheduling that is the step before the one launched). The median of the last few replaces the tables'
       estimate for that shape: the tables, profiled on dummy steps, can misjudge a shape in either direction.
+      Steps the device re-cut are kept apart, as their own shapes: they ran the re-cut besides the same graph.
 
     docs/spec_decode.md, "Adaptive verification", has the H200 case where the device tables alone trimmed at a
     loss. Off CUDA nothing is recorded: there the host runs the forward itself."""
@@ -296,6 +312,7 @@ class StepTimes:
     host: float = 0.0  # seconds; 0: nothing recorded yet (the budget then weighs the device alone)
     num_steps: int = 0  # periods recorded
     _shapes: dict[int, dict[int, MeasuredShape]] = field(default_factory=dict)  # requests -> graph tokens -> it
+    _recut_shapes: dict[int, dict[int, MeasuredShape]] = field(default_factory=dict)  # the same, of re-cut steps
     # Caches for the budget's per-step host work: a size's graph, and which budgets share each graph.
     _graphs: dict[int, int] = field(default_factory=dict)
     _spans: dict[tuple[int, int], dict[int, slice]] = field(default_factory=dict)
@@ -307,15 +324,16 @@ class StepTimes:
             graph = self._graphs[num_tokens] = int(self.padded(num_tokens)) if self.padded is not None else num_tokens
         return graph
 
-    def record(self, period: float, waited: float, drained: tuple[int, int] | None) -> None:
-        """One loop period (seconds) and its waits for the device; `drained`: (requests, target tokens) of the
-        all-verify step it waited for, None when that step was not one."""
+    def record(self, period: float, waited: float, drained: tuple[int, int, bool] | None) -> None:
+        """One loop period (seconds) and its waits for the device; `drained`: (requests, target tokens, whether
+        the device re-cut it) of the all-verify step it waited for, None when that step was not one."""
         host = period - waited
         self.host = host if self.host == 0.0 else self.host + self.smoothing * (host - self.host)
         if drained is None:
             return
-        reqs, tokens = drained[0], self.graph_tokens(drained[1])
-        shape = self._shapes.setdefault(reqs, {}).setdefault(tokens, MeasuredShape())
+        reqs, tokens, recut = drained[0], self.graph_tokens(drained[1]), drained[2]
+        shapes = self._recut_shapes if recut else self._shapes
+        shape = shapes.setdefault(reqs, {}).setdefault(tokens, MeasuredShape())
         self.num_steps += 1
         shape.add(period, self.num_steps)
 
@@ -338,8 +356,9 @@ class StepTimes:
 
     def summary_ms(self) -> dict[str, float]:
         """'requests x graph tokens' -> the median of its last periods, in ms (for benchmarks and logs)."""
-        return {f"{reqs}x{tokens}": 1e3 * shape.median
-                for reqs, shapes in sorted(self._shapes.items()) for tokens, shape in sorted(shapes.items())
+        return {f"{reqs}x{tokens}{suffix}": 1e3 * shape.median
+                for table, suffix in ((self._shapes, ""), (self._recut_shapes, " re-cut"))
+                for reqs, shapes in sorted(table.items()) for tokens, shape in sorted(shapes.items())
                 if shape.periods}
 
     def step_costs(self, device: np.ndarray, num_reqs: int, num_non_draft_tokens: int) -> np.ndarray:
@@ -354,6 +373,19 @@ class StepTimes:
                 if span is not None and shape.periods:  # (a shape asked to re-measure may have none yet)
                     cost[span] = shape.median
         return cost
+
+    def take_recut_periods(self, cost: np.ndarray, num_reqs: int, num_non_draft_tokens: int,
+                           num_drafts: int) -> None:
+        """In place: the budgets below `num_drafts` (those that re-cut the step) whose graph a re-cut step of
+        these requests was measured in take that step's median period."""
+        measured = self._recut_shapes.get(num_reqs)
+        if not measured:
+            return
+        spans = self._budget_spans(num_non_draft_tokens, len(cost))
+        for tokens, shape in measured.items():
+            span = spans.get(tokens)
+            if span is not None:
+                cost[span.start:min(span.stop, num_drafts)] = shape.median
 
     def _budget_spans(self, num_non_draft_tokens: int, num_budgets: int) -> dict[int, slice]:
         """Graph tokens -> the budgets 0..num_budgets - 1 whose steps run in that graph (a run: graphs grow with
@@ -463,7 +495,12 @@ class DraftConfidences:
     host, the newest table whose copy has landed (the budget takes it). The host copy is queued behind the
     drafter and never waited for: under async scheduling the next step is planned while it is still on its way,
     so the host plans with the table one step older, as upstream does. Requests without confidences read 1.0
-    (as upstream starts them)."""
+    (as upstream starts them).
+
+    On CUDA the copy runs on a stream of its own: on the step's stream a copy to the host, however small, holds
+    the next kernel for its round trip (6.4 us of the H200's ~1.56 ms step at one request), which fixed K does
+    not pay. The table it reads is the draft graph's output, which the next replay rewrites: the runner has the
+    step's stream wait for the copy first (before_redraft)."""
 
     def __init__(self, num_spec: int, device: torch.device) -> None:
         self.num_spec, self.table_device = num_spec, device
@@ -476,6 +513,8 @@ class DraftConfidences:
         self._buffers: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event] = []
         self._turn = 0
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._last_copy: torch.cuda.Event | None = None  # behind the newest copy, on the copy stream
         self.host_index: dict[str, int] = {}
         self.host: np.ndarray | None = None
 
@@ -492,12 +531,24 @@ class DraftConfidences:
             rows = max(device.shape[0], 64)
             self._buffers = [torch.empty(rows, self.num_spec, dtype=device.dtype, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device.device)
         self._turn ^= 1
         host = self._buffers[self._turn][:device.shape[0]]
-        host.copy_(device, non_blocking=True)
         event = self._events[self._turn]
-        event.record()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(device.device))  # behind the drafter
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(device, non_blocking=True)
+            event.record()
+        device.record_stream(self._copy_stream)  # an eager step's table: not reused before the copy read it
+        self._last_copy = event
         self._pending.append((self.index, host, event))
+
+    def before_redraft(self) -> None:
+        """Before the drafter runs again: the step's stream waits for the newest copy out of the table, which a
+        draft graph's replay rewrites (a wait on the device, long done by then: the copy takes microseconds)."""
+        if self._last_copy is not None:
+            torch.cuda.current_stream(self.table_device).wait_event(self._last_copy)
 
     def _landed(self) -> None:
         """Takes the newest host copy whose event has completed (a query, never a wait)."""

@@ -27,7 +27,7 @@ from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                        SurvivalPrediction, VerifyCosts)
+                                        SurvivalPrediction, VerifyCosts, device_split, even_split)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
@@ -99,6 +99,7 @@ class AsyncModelRunnerOutput:
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
     waited: float = 0.0  # seconds get_output() waited for the device
     num_tokens: int = 0  # target tokens the step ran, after any device trim, without graph padding
+    recut: bool = False  # the device re-cut the step (adaptive verification trimmed it)
     # Adaptive verification: what the budget of this all-verify step predicted, which its accepted drafts
     # calibrate (AdaptiveVerifier.observe); None for other steps.
     survival_prediction: SurvivalPrediction | None = None
@@ -414,8 +415,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_step_costs(self, descs: list[BatchDescriptor]) -> VerifyCosts:
         """Adaptive verification's cost tables, from dummy steps: the verify step by target tokens (each captured
-        size, replayed where a graph exists, then 1.5x the largest and doubling up to the token budget) and the
-        draft by requests; the median of COST_PROFILE_REPEATS timings of each."""
+        size, replayed where a graph exists, then 1.5x the largest and doubling up to the token budget), the
+        draft and a device re-cut by requests; the median of COST_PROFILE_REPEATS timings of each."""
         repeats = COST_PROFILE_REPEATS
         sc = self.config.scheduler_config
         per_req = 1 + self.num_spec
@@ -427,7 +428,7 @@ class ModelRunner:
             sizes.append(size)
             size *= 2
         context = max(1, min(sc.max_model_len - per_req, 1024))
-        verify, draft = {}, {}
+        verify, draft, recut = {}, {}, {}
         for n_tokens in sizes:
             common, _, run = self.dummy_decode_step(n_tokens, context)
             n_reqs = common.num_reqs
@@ -435,13 +436,39 @@ class ModelRunner:
             zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
             draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs],
                                                                      context, with_confidence=True), repeats)
+            recut[n_reqs] = self._timed_recut(n_tokens, context, repeats)
         max_captured = captured[-1] if captured else 0
         costs = VerifyCosts(CostCurve.from_samples(draft, max_captured // per_req),
-                            CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST))
-        logger.info("adaptive verification cost tables (ms): verify %s, draft %s",
-                    {n: round(costs.verify(n) * 1e3, 3) for n in verify}, {n: round(costs.draft(n) * 1e3, 3)
-                                                                           for n in draft})
+                            CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST),
+                            CostCurve.from_samples(recut, max_captured // per_req))
+        logger.info("adaptive verification cost tables (ms): verify %s, draft %s, re-cut %s",
+                    *({n: round(curve(n) * 1e3, 3) for n in samples}
+                      for curve, samples in ((costs.verify, verify), (costs.draft, draft), (costs.recut, recut))))
         return costs
+
+    def _timed_recut(self, num_tokens: int, context: int, repeats: int) -> list[float]:
+        """Timings of what a trimmed step runs besides its graph, as execute_model runs it, on the dummy step of
+        `num_tokens` (dummy_decode_step) cut to half its drafts: the host's even split, the device's split over
+        random confidences, the re-cut of the step's inputs and the copy of its row lengths. Each on a fresh
+        dummy step (the re-cut shortens its rows), after one untimed run."""
+        K, per_req = self.num_spec, 1 + self.num_spec
+        n_reqs = -(-num_tokens // per_req)
+        num_drafts = [K] * (n_reqs - 1) + [num_tokens - per_req * (n_reqs - 1) - 1]
+        budget = sum(num_drafts) // 2
+        confidence = torch.rand(n_reqs, K, device=self.device)
+        drafts = torch.tensor(num_drafts, dtype=torch.int64, device=self.device)
+        scale = torch.ones(K, device=self.device)
+
+        def recut(common: CommonAttentionMetadata) -> None:
+            host = [1 + c for c in even_split(budget, num_drafts)]
+            device_lens = 1 + device_split(confidence, drafts, budget, scale)
+            self.input_batch.trim_on_device(common, host, device_lens)
+            async_tensor_d2h(device_lens)
+        times = []
+        for _ in range(repeats + 1):
+            common, _, _ = self.dummy_decode_step(num_tokens, context)
+            times += self._timed(functools.partial(recut, common), 1)
+        return times[1:]
 
     def dummy_decode_step(self, num_tokens: int, context: int
                           ) -> tuple[CommonAttentionMetadata, BatchDescriptor | None, Callable[[], object]]:
@@ -582,7 +609,7 @@ class ModelRunner:
             replayed = self.graphs.replay(desc)
             tail = replayed if isinstance(replayed, DecodeTail) else None
             hidden = (replayed.hidden if tail is not None else replayed)[:T]
-        result = AsyncModelRunnerOutput(num_tokens=T, survival_prediction=prediction)
+        result = AsyncModelRunnerOutput(num_tokens=T, recut=trimmed is not None, survival_prediction=prediction)
         ends = common.query_start_loc_cpu[1:].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
@@ -707,6 +734,7 @@ class ModelRunner:
 
     def _propose(self, out: SchedulerOutput, rows, anchors: torch.Tensor, positions: torch.Tensor,
                  block_table: torch.Tensor, max_context: int, result: AsyncModelRunnerOutput) -> None:
+        self.confidences.before_redraft()
         drafts, confidence = self.drafter.propose(anchors, positions, block_table, max_context,
                                                   # only the device-trim hook (adaptive) reads them
                                                   with_confidence=self.device_trim_hook is not None)
