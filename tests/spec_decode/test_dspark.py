@@ -261,7 +261,7 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
     from vllm.spec_decode.adaptive import StepTimes
     from vllm.worker.model_runner import AsyncModelRunnerOutput
 
-    launched = []  # per step launched: (requests, target tokens) if every row verified drafts, else None
+    launched = []  # per step launched: (requests, target tokens, re-cut) if every row verified drafts, else None
     recorded = []  # per period: (period, waited, drained shape, the shape expected: the step it waited for)
 
     class Samples(StepTimes):
@@ -289,7 +289,7 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
         all_verify = all(s.draft_token_ids for s in out.scheduled)
         clock[0] += 1.0 if all_verify else 5.0
         result = execute_model(out, *args)
-        launched.append((len(out.scheduled), result.num_tokens) if all_verify else None)
+        launched.append((len(out.scheduled), result.num_tokens, result.recut) if all_verify else None)
         return result
 
     runner.execute_model = launching
@@ -303,8 +303,8 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
     assert all((period, waited) == (11.0, 10.0) for period, waited, _, _ in recorded)
     assert all(drained == expected for _, _, drained, expected in recorded)
     shapes = [drained for _, _, drained, _ in recorded if drained is not None]
-    assert len(shapes) >= 3 and {3, 1} <= {reqs for reqs, _ in shapes}
-    assert all(reqs < tokens <= 4 * reqs for reqs, tokens in shapes)  # 1 + K = 4 target tokens a row at most
+    assert len(shapes) >= 3 and {3, 1} <= {reqs for reqs, _, _ in shapes}
+    assert all(reqs < tokens <= 4 * reqs and not recut for reqs, tokens, recut in shapes)  # 1 + K a row at most
 
 
 def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):
