@@ -97,6 +97,7 @@ class VerifyCosts:
     # (requests, non-draft tokens, largest budget) -> the step's cost at each budget 0..largest: a step at a
     # steady concurrency asks for the same vector every time, and building it is most of the budget's host work.
     _steps: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+    _recuts: dict[int, float] = field(default_factory=dict)  # requests -> recut(requests), read every step
 
     def step_costs(self, num_reqs: int, num_non_draft_tokens: int, max_budget: int) -> np.ndarray:
         """draft[num_reqs] + verify[T0 + b] for b in 0..max_budget (never below MIN_VERIFY_COST)."""
@@ -108,7 +109,12 @@ class VerifyCosts:
         return cost
 
     def recut_cost(self, num_reqs: int) -> float:
-        return 0.0 if self.recut is None else self.recut(num_reqs)
+        if self.recut is None:
+            return 0.0
+        cost = self._recuts.get(num_reqs)
+        if cost is None:
+            cost = self._recuts[num_reqs] = self.recut(num_reqs)
+        return cost
 
 
 def choose_budget(survivals: np.ndarray, num_non_draft_tokens: int, num_sampling_reqs: int, num_reqs: int,
