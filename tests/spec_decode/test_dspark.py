@@ -304,7 +304,7 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
     assert all(drained == expected for _, _, drained, expected in recorded)
     shapes = [drained for _, _, drained, _ in recorded if drained is not None]
     assert len(shapes) >= 3 and {3, 1} <= {reqs for reqs, _, _ in shapes}
-    assert all(reqs < tokens <= 4 * reqs and not recut for reqs, tokens, recut in shapes)  # 1 + K a row at most
+    assert all(reqs < tokens <= 4 * reqs for reqs, tokens, _ in shapes)  # 1 + K = 4 target tokens a row at most
 
 
 def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir):
