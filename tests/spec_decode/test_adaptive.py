@@ -390,6 +390,41 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
         assert sum(host_lens) == int(device_lens.sum()) < 8
 
 
+def test_a_step_whose_budgets_all_run_in_one_graph_keeps_every_draft_without_reading_the_confidences():
+    """Graphs of 4 and 8 tokens (multiples of 1 + K): one request's budgets 0-3 run 1-4 tokens, all in the 4-token
+    graph, so a trim shortens nothing (it would only add its re-cut). The hook keeps every draft without reading
+    the confidences, and can_trim tells the runner the host copy is not needed. Two requests' 2-8 tokens can run
+    in the 4-token graph instead of the 8-token one: the budget is asked, and under these costs trims."""
+    class Unread(DraftConfidences):
+        def host_rows(self, request_ids):
+            raise AssertionError("a step whose budgets all run in one graph read the confidences")
+
+        device_rows = host_rows
+
+    steep = VerifyCosts(_flat_draft(), CostCurve.from_samples({4: [1.0], 8: [50.0]}, max_captured=8))
+    verifier = AdaptiveVerifier(Unread(3, torch.device("cpu")), steep, 1024)
+    assert not verifier.can_trim(1, 3) and verifier.can_trim(2, 6) and verifier.can_trim(1, 9)  # 10 > 8: eager
+    assert verifier(_step("a"), None) is None and verifier.take_prediction() is None
+    assert (verifier.last_budget, verifier.num_offered, verifier.num_kept) == (3, 3, 3)
+    conf = DraftConfidences(3, torch.device("cpu"))
+    conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
+    host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024)(_step("a", "b"), None)
+    assert sum(host_lens) == int(device_lens.sum()) == 4
+
+
+def test_a_table_no_budget_reads_reaches_the_device_split_but_not_the_host():
+    """update(to_host=False): the device table and its rows move on (a re-cut reads them), the host keeps the
+    newest table that was copied."""
+    conf = DraftConfidences(2, torch.device("cpu"))
+    old, new = torch.tensor([[0.9, 0.8]]), torch.tensor([[0.3, 0.2], [0.7, 0.6]])
+    conf.update(["a"], old)
+    conf.update(["b", "a"], new, to_host=False)
+    host, known = conf.host_rows(["a", "b"])
+    assert np.array_equal(host, np.array([[0.9, 0.8], [1.0, 1.0]], dtype=np.float32))
+    assert known.tolist() == [True, False]
+    assert torch.equal(conf.device_rows(["a", "b"]), new[[1, 0]])
+
+
 def _step(*request_ids: str, drafts: int = 3):
     from types import SimpleNamespace
     return SimpleNamespace(scheduled=[SimpleNamespace(request=SimpleNamespace(request_id=r),
@@ -446,7 +481,9 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
 def test_every_step_that_read_survivals_leaves_its_prediction_once():
     conf = DraftConfidences(3, torch.device("cpu"))
     conf.update(["a", "b"], torch.tensor([[0.9, 0.8, 0.5], [0.6, 0.5, 0.4]]))
-    free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1), CostCurve.from_samples({8: [1.0]}, max_captured=8))
+    # (A trimmed step could run in the 2-token graph, at the same cost: the budget is asked, and keeps all.)
+    free = VerifyCosts(CostCurve.from_samples({1: [0.0]}, 1),
+                       CostCurve.from_samples({2: [1.0], 8: [1.0]}, max_captured=8))
     verifier = AdaptiveVerifier(conf, free, 1024)
     assert verifier(_step("a", "b", "new"), None) is None
     prediction = verifier.take_prediction()

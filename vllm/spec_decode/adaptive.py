@@ -428,11 +428,25 @@ class AdaptiveVerifier:
         self.calibration = SurvivalCalibration(confidences.num_spec)
         self._prediction: SurvivalPrediction | None = None  # the last call's, until taken
         self._scale: tuple[int, torch.Tensor] | None = None  # (calibration version, its scale on the device)
+        self._can_trim: dict[tuple[int, int], bool] = {}  # (requests, drafts) -> can_trim
 
     def _full_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if self._full is None or self._full.shape[0] < num_rows:
             self._full = torch.full((max(num_rows, 64),), self.confidences.num_spec, dtype=torch.int64, device=device)
         return self._full[:num_rows]
+
+    def can_trim(self, num_reqs: int, num_drafts: int) -> bool:
+        """Whether a budget below `num_drafts` can run an all-verify step of `num_reqs` rows in a smaller graph
+        than verifying every draft. Not at one request with K = 3: every budget's 1-4 tokens pad to the 4-token
+        graph (capture sizes are multiples of 1 + K). There the budget keeps every draft without reading the
+        confidences, and the runner skips their host copy (at one request on the H100 the copy and the budget
+        cost 0.1 ms of the host's 1.8 ms per step, which the device's ~2 ms barely hid)."""
+        key = (num_reqs, num_drafts)
+        can = self._can_trim.get(key)
+        if can is None:
+            padded = self.costs.verify.padded
+            can = self._can_trim[key] = bool(padded(num_reqs) < padded(num_reqs + num_drafts))
+        return can
 
     def take_prediction(self) -> SurvivalPrediction | None:
         """The prediction of the step the last call planned, if it read survivals; once."""
@@ -461,10 +475,11 @@ class AdaptiveVerifier:
         full = offered == R * K  # every row has all K drafts (none has more)
         most = min(offered, self.max_total_logits - R)  # the largest budget: every draft, within one chunk
         times = self.times
-        if times is not None and times.overlapped and most == offered \
-                and times.host >= self.costs.step_costs(R, R, offered)[-1]:
-            # The host is the slower side even with every draft verified: no budget shortens the step, and
-            # choose_budget would keep every draft (short of drafts whose survival is 0). Skip reading confidences.
+        if most == offered and (not self.can_trim(R, offered) or times is not None and times.overlapped
+                                and times.host >= self.costs.step_costs(R, R, offered)[-1]):
+            # No budget shortens the step: each runs in the untrimmed step's graph (a trim would only add its
+            # re-cut), or the host is the slower side even with every draft verified. choose_budget would keep
+            # every draft (short of drafts whose survival is 0): skip reading confidences.
             budget = offered
         else:
             request_ids = [s.request.request_id for s in rows]
@@ -520,15 +535,20 @@ class DraftConfidences:
         self._events: list[torch.cuda.Event] = []
         self._turn = 0
         self._copy_stream: torch.cuda.Stream | None = None
+        self._drafted: torch.cuda.Event | None = None  # recorded behind each draft, for the copy stream to wait
         self._last_copy: torch.cuda.Event | None = None  # behind the newest copy, on the copy stream
         self.host_index: dict[str, int] = {}
         self.host: np.ndarray | None = None
 
-    def update(self, request_ids: list[str], device: torch.Tensor) -> None:
-        self._landed()
-        del self._pending[:-1]  # at most two in flight: an older copy is superseded by a newer one
+    def update(self, request_ids: list[str], device: torch.Tensor, to_host: bool = True) -> None:
+        """The drafter's newest table; `to_host`: also queue its host copy (False: no budget will read it, see
+        AdaptiveVerifier.can_trim; the host keeps the older table, a request missing there reads 1.0)."""
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.device = device
+        if not to_host:
+            return
+        self._landed()
+        del self._pending[:-1]  # at most two in flight: an older copy is superseded by a newer one
         if not device.is_cuda:
             self._pending.append((self.index, device.clone(), None))
             return
@@ -539,10 +559,13 @@ class DraftConfidences:
             self._events = [torch.cuda.Event(), torch.cuda.Event()]
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device.device)
+            self._drafted = torch.cuda.Event()
         self._turn ^= 1
         host = self._buffers[self._turn][:device.shape[0]]
         event = self._events[self._turn]
-        self._copy_stream.wait_stream(torch.cuda.current_stream(device.device))  # behind the drafter
+        # Behind the drafter (an event of our own, recorded again each time: wait_stream would create one).
+        self._drafted.record(torch.cuda.current_stream(device.device))
+        self._copy_stream.wait_event(self._drafted)
         with torch.cuda.stream(self._copy_stream):
             host.copy_(device, non_blocking=True)
             event.record()
@@ -555,6 +578,7 @@ class DraftConfidences:
         draft graph's replay rewrites (a wait on the device, long done by then: the copy takes microseconds)."""
         if self._last_copy is not None:
             torch.cuda.current_stream(self.table_device).wait_event(self._last_copy)
+            self._last_copy = None  # later drafts are behind this wait already
 
     def _landed(self) -> None:
         """Takes the newest host copy whose event has completed (a query, never a wait)."""

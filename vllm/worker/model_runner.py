@@ -741,7 +741,10 @@ class ModelRunner:
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
         result.drafts = drafts
         if confidence is not None:
-            self.confidences.update(result.draft_rows, confidence)
+            # The rows drafted here are the next all-verify step's: its budget may not read their confidences.
+            verifier = self.adaptive_verifier
+            self.confidences.update(result.draft_rows, confidence, to_host=verifier is None or verifier.can_trim(
+                len(result.draft_rows), len(result.draft_rows) * self.num_spec))
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, ends: list[int],
                          result: AsyncModelRunnerOutput) -> None:
