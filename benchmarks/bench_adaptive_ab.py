@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--configs", default="dspark:3,adaptive:3", help="the first is the reference of the ratios")
+    ap.add_argument("--configs", default="dspark:3,adaptive:3",
+                    help="the first is the reference of the ratios; NAME#TAG runs another engine of NAME (an A/A "
+                         "control: dspark:3,adaptive:3,dspark:3#2 shows the pairing's own spread)")
     ap.add_argument("--draft", default=str(DEFAULT_DSPARK_DIR))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.configs.split(",")
     engines = {name: LLM(device=args.device, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                         speculative_config=spec_config(name, args.draft)) for name in names}
+                         speculative_config=spec_config(name.split("#")[0], args.draft)) for name in names}
     counters = {name: StepCounter(llm) for name, llm in engines.items()}
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -11,8 +11,9 @@ as the adaptive cost tables do): rows of 1+K tokens over `--context` cached toke
 step of that size replays. Per size: the median device time of `--repeats` back-to-back runs between CUDA events
 (no host in it), and the graph it replayed. Per --compare size: each kernel's device time per step under
 torch.profiler, then the kernels side by side, largest change first. `--enforce-eager` runs the same forwards
-without graphs (every kernel launched by the host: the device times then include its gaps). On a CPU it times
-the eager forwards by wall clock and compares torch ops by CPU time.
+without graphs (every kernel launched by the host: the device times then include its gaps); with it,
+`--by-gemm-shape` compares the matrix multiplies by op and input shapes instead, to tell which projection
+launched a slow kernel. On a CPU it times the eager forwards by wall clock and compares torch ops by CPU time.
 """
 from __future__ import annotations
 
@@ -28,16 +29,27 @@ from vllm import LLM
 from vllm.assets import DEFAULT_DSPARK_DIR
 
 
-def kernel_us(run, device: str, steps: int) -> dict[str, float]:
-    """Per kernel name (torch op name on a CPU): its device (CPU) time per run, over `steps` profiled runs."""
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+
+
+def kernel_us(run, device: str, steps: int, by_gemm_shape: bool = False) -> dict[str, float]:
+    """Per kernel name (torch op name on a CPU): its device (CPU) time per run, over `steps` profiled runs.
+    by_gemm_shape: instead, per matrix-multiply op and input shapes, the device time of the kernels it launched
+    (eager runs only: a graph replay records no ops)."""
     run()
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=by_gemm_shape) as prof:
         for _ in range(steps):
             run()
         sync(device)
     per_name: dict[str, float] = collections.defaultdict(float)
+    if by_gemm_shape:
+        for e in prof.key_averages(group_by_input_shape=True):
+            us = e.device_time_total if device == "cuda" else e.cpu_time_total
+            if e.key in GEMM_OPS and us > 0:
+                per_name[f"{e.key} {e.input_shapes}"] += us / steps
+        return per_name
     for e in prof.key_averages():
         us = e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
         if us > 0 and (device != "cuda" or e.device_type == torch.autograd.DeviceType.CUDA):
@@ -59,6 +71,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25, help="kernels shown in the comparison")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--by-gemm-shape", action="store_true",
+                    help="compare matrix-multiply ops by input shapes instead of kernels (with --enforce-eager)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = json.loads(args.spec) if args.spec else None
@@ -78,7 +92,7 @@ def main() -> None:
             print(f"{n:4d} tokens, {common.num_reqs:3d} requests: {us:8.1f} us per step  ({desc or 'eager'})",
                   flush=True)
             if n in (a, b):
-                kernels[n] = kernel_us(run, args.device, args.profile_steps)
+                kernels[n] = kernel_us(run, args.device, args.profile_steps, args.by_gemm_shape)
     names = sorted(set(kernels[a]) | set(kernels[b]), key=lambda k: -abs(kernels[b].get(k, 0) - kernels[a].get(k, 0)))
     print(f"\nper step, us: {'at ' + str(a):>10s} {'at ' + str(b):>10s} {'change':>9s}  kernel")
     for name in names[:args.rows]:
