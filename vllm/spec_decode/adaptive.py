@@ -182,6 +182,13 @@ def device_split(confidence: torch.Tensor, num_drafts: torch.Tensor, budget: int
     return keep.view(R, K).sum(1, dtype=torch.int32)
 
 
+def recut_lengths(budget: int, num_drafts: list[int], confidence: torch.Tensor, device_drafts: torch.Tensor,
+                  scale: torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+    """A re-cut step's rows, 1 + the drafts each verifies: the host's even split (its metadata) and the device's
+    survival split (what runs). The hook's, and what the runner times for the re-cut's cost."""
+    return [1 + c for c in even_split(budget, num_drafts)], 1 + device_split(confidence, device_drafts, budget, scale)
+
+
 @dataclass(slots=True)
 class SurvivalPrediction:
     """What an all-verify step's budget read: each row's survivals (uncalibrated) and which rows the host had
@@ -504,10 +511,9 @@ class AdaptiveVerifier:
         if budget == offered:
             return None  # every draft is worth verifying: the step runs as scheduled, with no re-cut to queue
         device_conf = self.confidences.device_rows(request_ids)
-        host = [1 + c for c in even_split(budget, drafts)]
         device_drafts = self._full_rows(R, device_conf.device) if full \
             else async_tensor_h2d(drafts, torch.int64, device_conf.device)
-        return host, 1 + device_split(device_conf, device_drafts, budget, self._device_scale(device_conf.device))
+        return recut_lengths(budget, drafts, device_conf, device_drafts, self._device_scale(device_conf.device))
 
 
 class DraftConfidences:

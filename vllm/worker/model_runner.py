@@ -27,7 +27,7 @@ from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                        SurvivalPrediction, VerifyCosts, device_split, even_split)
+                                        SurvivalPrediction, VerifyCosts, recut_lengths)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
@@ -460,8 +460,7 @@ class ModelRunner:
         scale = torch.ones(K, device=self.device)
 
         def recut(common: CommonAttentionMetadata) -> None:
-            host = [1 + c for c in even_split(budget, num_drafts)]
-            device_lens = 1 + device_split(confidence, drafts, budget, scale)
+            host, device_lens = recut_lengths(budget, num_drafts, confidence, drafts, scale)
             self.input_batch.trim_on_device(common, host, device_lens)
             async_tensor_d2h(device_lens)
         times = []
