@@ -1,5 +1,4 @@
-"""Small helpers (vllm/utils.py): async_tensor_h2d / async_tensor_d2h copy, never view, the caller's data (lists and numpy
-alike); prefer_blas_for_rows picks the BLAS library by GEMM rows."""
+"""async_tensor_h2d / async_tensor_d2h: copies, never views of the caller's data, from lists and numpy alike."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,19 +29,3 @@ def test_d2h_returns_the_values_once_the_stream_has_run(device):
         assert host.is_pinned()
         torch.cuda.current_stream().synchronize()
     assert host.device.type == "cpu" and torch.equal(host, (x * 2).cpu())
-
-
-def test_fp32_gemms_on_cuda_take_the_blas_library_that_is_fast_at_their_rows(monkeypatch):
-    """cuBLASLt up to 16 rows, cuBLAS above (the bench_small_gemm.py figures in vllm/utils.py); set only when the
-    choice changes, and never for other dtypes or off CUDA."""
-    from vllm import utils
-    calls = []
-    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", calls.append)
-    monkeypatch.setattr(utils, "_preferred_blas", [])
-    cuda = torch.device("cuda")
-    for rows in (1, 16, 17, 64, 4):
-        utils.prefer_blas_for_rows(rows, torch.float32, cuda)
-    assert calls == ["cublaslt", "cublas", "cublaslt"]
-    utils.prefer_blas_for_rows(32, torch.bfloat16, cuda)
-    utils.prefer_blas_for_rows(32, torch.float32, torch.device("cpu"))
-    assert calls == ["cublaslt", "cublas", "cublaslt"]

@@ -49,25 +49,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# fp32 GEMMs of a few rows, H100 (benchmarks/kernels/bench_small_gemm.py; results/gpu/2026-12-05_small_gemm_h100_*):
-# cuBLASLt's kernels take 2.4-3 us up to 16 rows and 11-15 us from 17 on; cuBLAS's take 25-52 us at 8-16 rows
-# and 3.4-9 us from 17 on. Each library for the rows where it is fast.
-SMALL_GEMM_ROWS = 16
-_preferred_blas: list[str] = []  # the choice last made (per process, as torch's own setting)
-
-
-def prefer_blas_for_rows(num_rows: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Before a forward of `num_rows` rows, or the graph capture that records it: fp32 GEMMs on CUDA take
-    cuBLASLt up to SMALL_GEMM_ROWS rows, cuBLAS above. torch reads the setting at each GEMM's launch, so a
-    captured graph keeps the kernels chosen while it was recorded. Other dtypes and devices: left as they are."""
-    if device.type != "cuda" or dtype != torch.float32:
-        return
-    lib = "cublaslt" if num_rows <= SMALL_GEMM_ROWS else "cublas"
-    if _preferred_blas != [lib]:
-        torch.backends.cuda.preferred_blas_library(lib)
-        _preferred_blas[:] = [lib]
-
-
 def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of one of `markers`: a streaming parser holds
     them back until the next delta says whether a marker (a tool-call or thinking delimiter) begins there."""

@@ -23,7 +23,6 @@ import torch
 
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
 from vllm.model_executor.models.kimi_k3.model import KimiK3ForCausalLM
-from vllm.utils import prefer_blas_for_rows
 
 # Context buckets start here and double up to max_model_len: a draft step gathers its rows' whole context, so a
 # bucket far above the longest context would waste the gather.
@@ -107,7 +106,6 @@ class DSparkProposer:
              with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         target = self.target
         lm_head = target.model.embed_tokens.weight if target.config.tie_word_embeddings else target.lm_head.weight
-        prefer_blas_for_rows(anchor_ids.shape[0] * self.num_spec, lm_head.dtype, lm_head.device)  # a block of K rows each
         return self.draft.propose(anchor_ids, anchor_pos, block_table, max_context, self.num_spec,
                                   target.model.embed_tokens, lm_head, with_confidence)
 

@@ -29,7 +29,7 @@ from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gath
 from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
                                         SurvivalPrediction, VerifyCosts, recut_lengths)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
-from vllm.utils import async_tensor_d2h, async_tensor_h2d, prefer_blas_for_rows
+from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
 from vllm.worker.decode_tail import DecodeTail, decode_tail
 from vllm.worker.cudagraph import (BatchDescriptor, CudaGraphDispatcher, CUDAGraphMode, CUDAGraphRunner,
@@ -146,6 +146,10 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         # Decays of long prompts underflow into denormals, which are ~100x slower on CPUs; flush them to zero.
         torch.set_flush_denormal(True)
+        if self.device.type == "cuda" and self.dtype == torch.float32:
+            # At the 4-16 rows of verify steps and small decode batches cuBLAS's heuristic picks fp32 kernels
+            # 10-20x slower than cuBLASLt's (benchmarks/kernels/bench_small_gemm.py). The choice is per process.
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         hf, cc = mc.hf_config, config.cache_config
         shapes = LayerShapes(kda_num_heads=hf.kda_num_heads, kda_head_dim=hf.kda_head_dim,
                              kda_gate_bounded=hf.gate_lower_bound is not None,
@@ -387,7 +391,6 @@ class ModelRunner:
 
     def _capture_pieces(self, size: int) -> None:
         try:
-            prefer_blas_for_rows(size, self.dtype, self.device)
             self.piecewise.capture(size)
         except Exception as e:  # noqa: BLE001 - a piece that syncs with the host
             raise RuntimeError(f"capturing the piecewise CUDA graphs at {size} tokens failed ({type(e).__name__}: "
@@ -504,7 +507,6 @@ class ModelRunner:
         """The target's forward, then (with a DSpark draft) the step's context into the draft's caches: both in
         one graph where the step replays one."""
         batch = self.input_batch
-        prefer_blas_for_rows(num_tokens, self.dtype, self.device)  # (also the draft's context projections below)
         hidden = self.model(batch.input_ids.gpu[:num_tokens], batch.positions.gpu[:num_tokens],
                             self._attn_metadata(common))
         if self.drafter is not None:
@@ -594,7 +596,6 @@ class ModelRunner:
         desc = self._graph_for(common)
         tail = None
         if desc is None and self.piecewise is not None and T <= self.piecewise.max_size:
-            prefer_blas_for_rows(T, self.dtype, self.device)
             hidden = self.piecewise.run(T, self._attn_metadata(common))
             if self.drafter is not None:
                 self.drafter.write_context(T, self.input_batch.positions.gpu, common.slot_mapping)
