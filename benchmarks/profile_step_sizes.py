@@ -28,7 +28,6 @@ from torch.profiler import ProfilerActivity, profile
 from vllm import LLM
 from vllm.assets import DEFAULT_DSPARK_DIR
 
-
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 
 
