@@ -1,6 +1,7 @@
 """The `vllm` console script: version, help, and `generate` on the built-in model."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -40,3 +41,49 @@ def test_generate_rejects_bad_input_with_one_line(capsys, argv, fragment):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err
+
+
+# ---- run-batch: hostile input ---------------------------------------------------------------------------------
+
+def test_run_batch_missing_input_and_unwritable_output_fail_in_one_line(capsys, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert main(["run-batch", "-i", str(missing), "-o", str(tmp_path / "out.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read the input file {missing}" in err and "Traceback" not in err
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    for dst in (tmp_path, tmp_path / "no" / "such" / "dir.jsonl"):  # checked before the engine loads
+        assert main(["run-batch", "-i", str(src), "-o", str(dst)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write the output file {dst}" in err and "Traceback" not in err
+
+
+def test_run_batch_writes_results_in_order_as_they_are_ready(tmp_path):
+    from vllm.entrypoints.cli.run_batch import OrderedWriter
+    path = tmp_path / "out.jsonl"
+    with path.open("w") as f:
+        writer = OrderedWriter(f)
+        writer.put(1, {"custom_id": "b", "error": None})
+        assert path.read_text() == ""  # line 0 is not done yet
+        writer.put(0, {"custom_id": "a", "error": {"message": "bad"}})
+        assert [json.loads(x)["custom_id"] for x in path.read_text().splitlines()] == ["a", "b"]  # flushed
+        assert (writer.written, writer.failed) == (2, 1)
+
+
+def test_run_batch_answers_every_line_whatever_the_others_do(capsys, tmp_path):
+    good = {"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+    lines = [json.dumps(good).encode(),
+             b"[" * 50_000 + b"]" * 50_000,  # RecursionError in json.loads
+             b'{"custom_id": "\xff", "url": "/v1/completions"}',  # not UTF-8
+             json.dumps({**good, "custom_id": "abc\ud800"}).encode(),  # a lone surrogate echoed back
+             json.dumps({**good, "custom_id": "last"}).encode()]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), "--max-model-len", "128",
+                 "--kv-cache-memory-bytes", str(1 << 24)]) == 0
+    assert "5 requests, 2 failed" in capsys.readouterr().out
+    results = [json.loads(x) for x in dst.read_text(encoding="utf-8").splitlines()]
+    assert [r["custom_id"] for r in results] == ["ok", None, None, "abc\ud800", "last"]  # escaped, not lost
+    assert [r["error"] is None for r in results] == [True, False, False, True, True]
+    assert "nests arrays or objects too deeply" in results[1]["error"]["message"]
+    assert "utf-8" in results[2]["error"]["message"]
