@@ -4,6 +4,7 @@ state slot is free again after each test."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 
@@ -432,3 +433,33 @@ def test_bad_words_are_never_generated(make_llm, async_scheduling):
     assert not any(outs[0][j:j + len(s)] == s for s in seqs for j in range(len(outs[0]))), (word, outs[0])
     assert outs[0] != g
     assert outs[1] == greedy[1]
+
+
+def test_default_model_sharded_in_the_hugging_face_cache_layout_serves(make_llm, tmp_path):
+    """Every file a symlink into ../../blobs/, as `huggingface-cli download` leaves them: config, index, shards and
+    tokenizer all load (tests/model/test_loader.py checks the weights are the same)."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("config.json", *TOKENIZER_FILES):
+        shutil.copy(DEFAULT_MODEL_DIR / f, src / f)
+    tensors = load_file(DEFAULT_MODEL_DIR / "model.safetensors")
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for fname, part in shards.items():
+        save_file({n: tensors[n] for n in part}, src / fname)
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    repo = tmp_path / "hub" / "models--moonshotai--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in src.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        f.rename(repo / "blobs" / digest)
+        (snapshot / f.name).symlink_to(f"../../blobs/{digest}")
+    llm = make_llm(model=str(snapshot), max_model_len=64, kv_cache_memory_bytes=1 << 24)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].prompt == "Hello"

@@ -4,8 +4,10 @@ Every error test checks the error class and that the message names what was wron
 """
 import dataclasses
 import functools
+import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -288,6 +290,37 @@ def test_index_cannot_reach_outside_the_model_directory(tmp_path):
     index.write_text(json.dumps(data))
     with raises(CheckpointError, "'../secret.safetensors'", "inside"):
         load_model(model)
+
+
+def hf_cache_snapshot(src: Path, hub: Path, name: str = "models--org--tiny") -> Path:
+    """`src`'s files as the Hugging Face cache keeps them: the bytes in models--org--name/blobs/<sha256>, and
+    snapshots/<rev>/<file> a relative symlink to ../../blobs/<sha256>."""
+    repo, snapshot = hub / name, hub / name / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in src.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / digest)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", digest))
+    return snapshot
+
+
+def test_sharded_checkpoint_in_the_hugging_face_cache_layout_loads(tmp_path):
+    src = write(tmp_path / "src", shards=2)
+    snapshot = hf_cache_snapshot(src, tmp_path / "hub")
+    assert (snapshot / "config.json").is_symlink() and (snapshot / "model.safetensors.index.json").is_symlink()
+    assert_same_params(load_model(snapshot), load_model(src))
+
+
+@pytest.mark.parametrize("victim", ["model-00001-of-00002.safetensors", "config.json"])
+def test_symlinks_leading_out_of_the_cache_root_are_refused(tmp_path, victim):
+    src = write(tmp_path / "src", shards=2)
+    snapshot = hf_cache_snapshot(src, tmp_path / "hub")
+    other = hf_cache_snapshot(src, tmp_path / "hub", "models--someone--else")  # another model's blobs: outside
+    (snapshot / victim).unlink()
+    (snapshot / victim).symlink_to(Path("..", "..", "..", "models--someone--else", "snapshots", other.name, victim))
+    with raises(CheckpointError, victim, "not a file inside", str(snapshot)):
+        load_model(snapshot)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])

@@ -65,6 +65,7 @@ def read_config_json(model_dir: str | Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path} is missing: a model directory needs config.json")
+    check_inside(path, model_dir)
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -83,25 +84,54 @@ def load_config(model_dir: str | Path, raw: dict | None = None) -> KimiK3TextCon
         raise CheckpointError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
+def checkpoint_roots(model_dir: Path) -> tuple[Path, ...]:
+    """Where the files of `model_dir` may lead: the directory itself and, for a snapshot in the Hugging Face cache
+    (models--org--name/snapshots/<rev>/, whose files are symlinks into ../../blobs/), its models--* directory."""
+    root = model_dir.resolve()
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return root, repo
+    return (root,)
+
+
+def check_inside(path: Path, model_dir: Path, named_by: Path | None = None) -> None:
+    """Refuses a file (or the symlink chain it is) that leads outside the model directory and its cache root: a
+    checkpoint must not make the engine open /etc/passwd or another model's files. `named_by`: the index."""
+    target = path.resolve()
+    if any(target.is_relative_to(root) for root in checkpoint_roots(model_dir)):
+        return
+    where = (f"{named_by} names shard {path.relative_to(model_dir).as_posix()!r}, which resolves to"
+             if named_by else f"{path} is a symlink to")
+    raise CheckpointError(f"{where} {target}, not a file inside {model_dir}; files must be within the model "
+                          "directory (or, for a Hugging Face cache snapshot, its models--* directory)")
+
+
+def _shard_path(model_dir: Path, index: Path, shard) -> Path:
+    """The shard's path; only relative names that stay in the model directory, whatever the index says."""
+    if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise CheckpointError(f"{index} names shard {shard!r}, which is not a file inside {model_dir}; "
+                              "shards must be relative paths within the model directory")
+    path = model_dir / shard
+    check_inside(path, model_dir, named_by=index)
+    return path
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / INDEX_FILE
     if index.is_file():
+        check_inside(index, model_dir)
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointError(f"{index} must be JSON with a 'weight_map' object of tensor name -> shard "
                                   f"file ({type(e).__name__}: {e})") from e
-        root = model_dir.resolve()
-        for shard in shards:
-            # Only files inside the model directory may be opened, whatever the index says.
-            if not isinstance(shard, str) or not (model_dir / shard).resolve().is_relative_to(root):
-                raise CheckpointError(f"{index} names shard {shard!r}, which is not a file inside {model_dir}; "
-                                      "shards must be relative paths within the model directory")
-        missing = [s for s in shards if not (model_dir / s).is_file()]
+        paths = [_shard_path(model_dir, index, shard) for shard in shards]
+        missing = [s for s, path in zip(shards, paths) if not path.is_file()]
         if missing:
             raise CheckpointNotFoundError(f"{INDEX_FILE} in {model_dir} lists shards that are missing: {missing}")
-        return [model_dir / s for s in shards]
+        return paths
     if (model_dir / SINGLE_FILE).is_file():
+        check_inside(model_dir / SINGLE_FILE, model_dir)
         return [model_dir / SINGLE_FILE]
     raise CheckpointNotFoundError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards")
 
