@@ -167,6 +167,7 @@ def test_min_tokens_holds_back_eos(make_llm):
     ({"prompt_token_ids": []}, GREEDY, "the decoder prompt cannot be empty"),
     ({"prompt_token_ids": [5, 4096, -1]}, GREEDY, "token id 4096 is out of vocabulary (ids are in [0, 4096))"),
     ({"prompt_token_ids": [5, 2.0]}, GREEDY, "prompt token ids must be integers, got [2.0]"),
+    ("abc\ud800", GREEDY, "prompts[1]: the prompt 'abc\\ud800' holds a lone UTF-16 surrogate"),
 ])
 def test_bad_requests_raise_and_engine_keeps_working(make_llm, prompt, params, fragment):
     llm = make_llm()

@@ -11,6 +11,7 @@ from vllm.beam_search import BeamSearchOutput, beam_search
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
+from vllm.inputs.validation import text_problem
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -89,6 +90,7 @@ class LLM:
     def _run(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        check_prompt_texts(prompts)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -110,6 +112,14 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finished])
                 raise
         return [finished[i] for i in ids]
+
+
+def check_prompt_texts(prompts: Sequence[PromptType]) -> None:
+    """Refuses text the tokenizer cannot take (a lone surrogate), naming the prompt, before any request starts."""
+    for i, prompt in enumerate(prompts):
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if (problem := text_problem(text)) is not None:
+            raise ValueError(f"prompts[{i}]: {problem}")
 
 
 def text_content(message: dict) -> dict:

@@ -2,12 +2,28 @@
 before any request of the call starts (clients match on these messages)."""
 from __future__ import annotations
 
+import re
+
+# JSON and Python strings may hold "\ud800", but it is no character: it cannot be tokenized nor sent back.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_problem(text: str | None) -> str | None:
+    """The problem with a prompt's text, checked before it is tokenized, or None."""
+    if isinstance(text, str) and LONE_SURROGATE.search(text):
+        shown = repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
+        return (f"the prompt {shown} holds a lone UTF-16 surrogate (such as \\ud800), which is not a character: "
+                "pass valid Unicode text")
+    return None
+
 
 def prompt_problem(ids: list | None, vocab_size: int, text: str | None = None) -> str | None:
     """The problem with a prompt given as token ids and/or text, or None. An empty text is an empty prompt even
     though it encodes to [bos]; ids must be Python ints in [0, vocab_size)."""
     if text == "" or (ids is not None and len(ids) == 0):
         return "the decoder prompt cannot be empty: give at least one token"
+    if (problem := text_problem(text)) is not None:
+        return problem
     if ids is None:
         return None
     not_ints = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
