@@ -24,6 +24,20 @@ def _require(ok: bool, flag: str, value, expected: str) -> None:
         raise ValueError(f"{flag}={value!r} is invalid: expected {expected}")
 
 
+def parse_json(text: str):
+    """json.loads, where nesting too deep for the parser (its RecursionError) is a ValueError like any bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("arrays or objects nested too deeply to parse") from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """The repr of a flag's text, cut: errors stay one readable line whatever was passed."""
+    r = repr(text)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(text)} characters)"
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str
@@ -109,6 +123,10 @@ SPEC_CONFIG_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup
 DRAFT_SAMPLE_METHODS = ("greedy",)
 NGRAM_DEFAULT_PROMPT_LOOKUP_MIN = 1
 NGRAM_DEFAULT_PROMPT_LOOKUP_MAX = 4
+# Each request owns 1 + K full KDA recurrent states for its whole life (the checkpoint-slot design,
+# docs/spec_decode.md) and the native KDA decode kernel unrolls its token loop to 1 + K, so K must stay small;
+# acceptance compounds per position, so drafts past a few dozen are never accepted anyway.
+MAX_NUM_SPECULATIVE_TOKENS = 32
 
 
 def _is_int(value) -> bool:
@@ -143,8 +161,10 @@ class SpeculativeConfig:
         flag = "--speculative-config"
         _require(self.method in SPEC_METHODS_BUILT, f"{flag} method", self.method,
                  f"one of {', '.join(map(repr, SPEC_METHODS_BUILT))}")
-        _require(_is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
-                 f"{flag} num_speculative_tokens", self.num_speculative_tokens, "an integer >= 1")
+        _require(_is_int(self.num_speculative_tokens)
+                 and 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS,
+                 f"{flag} num_speculative_tokens", self.num_speculative_tokens,
+                 f"an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}] (each request keeps 1 + K KDA state checkpoints)")
         if self.method == "dspark":
             self._check_dspark(flag)
             return
@@ -173,9 +193,9 @@ class SpeculativeConfig:
         flag = "--speculative-config"
         if isinstance(text_or_dict, str):
             try:
-                data = json.loads(text_or_dict)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag}={text_or_dict!r} is not valid JSON: {e}") from None
+                data = parse_json(text_or_dict)
+            except ValueError as e:
+                raise ValueError(f"{flag}={_short(text_or_dict)} is not valid JSON: {e}") from None
         else:
             data = text_or_dict
         _require(isinstance(data, dict), flag, text_or_dict, 'a JSON object such as {"method": "ngram", '
@@ -231,9 +251,9 @@ class CompilationConfig:
         data = text_or_dict or {}
         if isinstance(data, str):
             try:
-                data = json.loads(data)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag}={text_or_dict!r} is not valid JSON: {e}") from None
+                data = parse_json(data)
+            except ValueError as e:
+                raise ValueError(f"{flag}={_short(text_or_dict)} is not valid JSON: {e}") from None
         _require(isinstance(data, dict), flag, text_or_dict, 'a JSON object such as {"cudagraph_mode": "FULL"}')
         unknown = sorted(k for k in data if k not in COMPILATION_CONFIG_KEYS)
         _require(not unknown, f"{flag} keys", unknown, f"only the keys {', '.join(COMPILATION_CONFIG_KEYS)}")
@@ -254,6 +274,13 @@ class VllmConfig:
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        # A verify row is the last token plus K drafts, after at least one prompt token: it must fit the context.
+        limit = self.model_config.max_model_len - 2
+        _require(self.num_speculative_tokens <= limit, "--speculative-config num_speculative_tokens",
+                 self.num_speculative_tokens, f"at most --max-model-len - 2 = {limit} (one prompt token, then the "
+                 "verified token and its drafts)")
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -15,6 +15,7 @@ from hf_oracle import BASE, perturbed_hf_model, save_for_us
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_MODEL_DIR, TINY_TOKENIZER_DIR
+from vllm.engine.arg_utils import EngineArgs
 from vllm.tools.make_tiny_model import TOKENIZER_FILES
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -206,11 +207,34 @@ def test_invalid_sampling_params(kwargs, fragment):
     (dict(max_model_len=10**9), "--max-model-len=1000000000"),
     (dict(num_gpu_blocks_override=2, max_model_len=256), "fewer than one request of --max-model-len=256"),
     (dict(bogus_flag=1), "unknown engine arguments ['bogus_flag']"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 10**6}),
+     "num_speculative_tokens=1000000 is invalid: expected an integer in [1, 32]"),
+    (dict(max_model_len=16, speculative_config={"method": "ngram", "num_speculative_tokens": 20}),
+     "num_speculative_tokens=20 is invalid: expected at most --max-model-len - 2 = 14"),
+    (dict(speculative_config="[" * 30_000), "is not valid JSON: arrays or objects nested too deeply"),
+    (dict(compilation_config="[" * 30_000), "is not valid JSON: arrays or objects nested too deeply"),
 ])
 def test_invalid_engine_args_name_the_flag(kwargs, fragment):
     with pytest.raises(ValueError) as e:
         LLM(**kwargs)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(max_num_seqs="8"), "max_num_seqs='8' (str) is invalid: expected int or None"),
+    (dict(block_size="16"), "block_size='16' (str) is invalid: expected int"),
+    (dict(max_model_len=128.0), "max_model_len=128.0 (float) is invalid: expected int or None"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' (str) is invalid: expected float"),
+    (dict(enforce_eager="yes"), "enforce_eager='yes' (str) is invalid: expected bool"),
+    (dict(seed=True), "seed=True (bool) is invalid: expected int"),
+    (dict(speculative_config=3), "speculative_config=3 (int) is invalid: expected str or dict or None"),
+])
+def test_wrong_typed_engine_args_name_the_field_value_and_type(kwargs, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        LLM(**kwargs)  # refused before anything loads
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        EngineArgs(**kwargs)
+    EngineArgs(dtype=torch.bfloat16, gpu_memory_utilization=1, max_num_seqs=None)  # what upstream accepts
 
 
 def test_abort_mid_generation_frees_everything(make_llm):

@@ -87,3 +87,12 @@ def test_run_batch_answers_every_line_whatever_the_others_do(capsys, tmp_path):
     assert [r["error"] is None for r in results] == [True, False, False, True, True]
     assert "nests arrays or objects too deeply" in results[1]["error"]["message"]
     assert "utf-8" in results[2]["error"]["message"]
+
+
+@pytest.mark.parametrize("flag", ["--speculative-config", "--compilation-config", "--hf-overrides"])
+def test_json_flags_nested_too_deeply_are_argparse_errors(capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", flag, "[" * 30_000])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: argument {flag}" in err and "not valid JSON: arrays or objects nested too deeply" in err

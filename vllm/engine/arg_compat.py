@@ -6,11 +6,12 @@ Never argparse's "unrecognized arguments"."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from vllm.config import parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,21 @@ def _one(v: Any) -> bool:
 
 def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v in values
+
+
+def json_value(text: str) -> Any:
+    """argparse type of a JSON-valued flag: bad JSON, nesting too deep included, is argparse's one-line error
+    naming the flag, not a traceback."""
+    try:
+        return parse_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+
+
+def json_text(text: str) -> str:
+    """json_value's check, keeping the text (our flags' engine arguments take JSON text or a dict)."""
+    json_value(text)
+    return text
 
 
 _ONE_DEVICE = "it runs on one device; use a single GPU"
@@ -87,7 +103,7 @@ ENGINE_ARGS = {a.name: a for a in [
                 _is("fcfs")),
     UpstreamArg("enable_sleep_mode", UNSUPPORTED, "sleep mode is not supported", (), None),
     UpstreamArg("enable_prompt_embeds", UNSUPPORTED, "prompts are token ids or text", (), None),
-    UpstreamArg("hf_overrides", UNSUPPORTED, "config.json is read as saved", (), json.loads,
+    UpstreamArg("hf_overrides", UNSUPPORTED, "config.json is read as saved", (), json_value,
                 lambda v: v in (None, {})),
     UpstreamArg("disable_sliding_window", IGNORED, "the model has no sliding window", (), None),
     UpstreamArg("disable_cascade_attn", IGNORED, "cascade attention is not used", (), None),
@@ -100,9 +116,9 @@ ENGINE_ARGS = {a.name: a for a in [
     UpstreamArg("logprobs_mode", UNSUPPORTED, "logprobs are the model's raw log-softmax (raw_logprobs)", (), str,
                 _is("raw_logprobs")),
     UpstreamArg("disable_async_output_proc", IGNORED, "outputs are processed as --async-scheduling says", (), None),
-    UpstreamArg("limit_mm_per_prompt", IGNORED, "the model is text-only", (), json.loads),
-    UpstreamArg("mm_processor_kwargs", IGNORED, "the model is text-only", (), json.loads),
-    UpstreamArg("kv_transfer_config", UNSUPPORTED, "disaggregated prefill is not supported", (), json.loads),
+    UpstreamArg("limit_mm_per_prompt", IGNORED, "the model is text-only", (), json_value),
+    UpstreamArg("mm_processor_kwargs", IGNORED, "the model is text-only", (), json_value),
+    UpstreamArg("kv_transfer_config", UNSUPPORTED, "disaggregated prefill is not supported", (), json_value),
     UpstreamArg("otlp_traces_endpoint", IGNORED, "tracing is not built", (), str),
     UpstreamArg("guided_decoding_backend", IGNORED, "guided decoding is not supported", (), str),
     UpstreamArg("worker_cls", UNSUPPORTED, "the worker is this engine's own", (), str, _is("auto")),

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import reprlib
+import typing
 from dataclasses import dataclass
 
 import torch
 
 from vllm.assets import DEFAULT_MODEL_DIR
-from vllm.engine.arg_compat import ENGINE_ARGS, add_upstream_args, check_upstream_args
+from vllm.engine.arg_compat import ENGINE_ARGS, add_upstream_args, check_upstream_args, json_text
 from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
                          CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                          VllmConfig)
@@ -28,13 +31,13 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
 
 @dataclass
 class EngineArgs:
-    model: str = str(DEFAULT_MODEL_DIR)
-    tokenizer: str | None = None
-    dtype: str = "auto"
+    model: str | os.PathLike = str(DEFAULT_MODEL_DIR)
+    tokenizer: str | os.PathLike | None = None
+    dtype: str | torch.dtype = "auto"
     seed: int = 0
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = 256  # None: the default, as upstream
     max_num_batched_tokens: int | None = None  # None: 8192 on CUDA, 2048 on CPU (DEFAULT_BATCHED_TOKENS)
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -49,7 +52,13 @@ class EngineArgs:
     compilation_config: str | dict | None = None
     async_scheduling: bool | None = None  # None: on for CUDA unless ngram speculates
     trust_remote_code: bool = False
-    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; or a directory
+    generation_config: str | os.PathLike = "auto"  # auto: the model's generation_config.json; vllm: none; or a dir
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("model", "tokenizer", "generation_config"):  # paths as the configs hold them: text
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -91,10 +100,10 @@ class EngineArgs:
                        help="MLA backend")
         g.add_argument("--kda-prefill-backend", default=d.kda_prefill_backend, choices=KDA_PREFILL_BACKENDS)
         g.add_argument("--kda-decode-backend", default=d.kda_decode_backend, choices=KDA_DECODE_BACKENDS)
-        g.add_argument("--speculative-config", default=None,
+        g.add_argument("--speculative-config", default=None, type=json_text,
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
                             '"prompt_lookup_max": 4}\'')
-        g.add_argument("--compilation-config", "-O", default=None,
+        g.add_argument("--compilation-config", "-O", default=None, type=json_text,
                        help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
                             '"cudagraph_capture_sizes": [1, 2, 4]}\'')
         add_upstream_args(g, ENGINE_ARGS)  # hidden from --help: see vllm/engine/arg_compat.py
@@ -178,6 +187,37 @@ class EngineArgs:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device={self.device!r} is invalid: expected auto, cpu or cuda")
         return torch.device(self.device)
+
+
+_SHORT = reprlib.Repr()  # a value shown in an error: cut, and safe on deep nesting
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, tuple[type, ...]]:
+    """Each dataclass field's accepted types, from its annotation (`int | None` -> (int, NoneType))."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) or (hints[f.name],) for f in dataclasses.fields(cls)}
+
+
+def _is_a(value, t: type) -> bool:
+    if t is bool:
+        return isinstance(value, bool)
+    if t in (int, float):  # True is not a count; an int is a fine float
+        return not isinstance(value, bool) and isinstance(value, int if t is int else (int, float))
+    return isinstance(value, t)
+
+
+def check_field_types(args: EngineArgs) -> None:
+    """One check for every field against its annotation, so `LLM(max_num_seqs="8")` is refused here, naming the
+    field, instead of a TypeError deep in the engine. The CLI's values already have their types (argparse)."""
+    for name, types in _field_types(type(args)).items():
+        value = getattr(args, name)
+        if not any(_is_a(value, t) for t in types):
+            expected = " or ".join("None" if t is type(None) else t.__qualname__ if t.__module__ == "builtins"
+                                   else f"{t.__module__}.{t.__qualname__}" for t in types)
+            raise ValueError(f"engine argument {name}={_SHORT.repr(value)} ({type(value).__name__}) is invalid: "
+                             f"expected {expected}")
 
 
 class AsyncEngineArgs(EngineArgs):
