@@ -185,3 +185,30 @@ def test_a_dead_core_fails_the_requests_in_flight_and_new_ones():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_failed_in_process_loop_is_a_dead_engine_and_says_so_once():
+    """A bug that ends the in-process step loop leaves an engine that runs nothing: like a dead core process, the
+    requests in flight fail, new ones are refused and the dead handlers (the server's exit) run once."""
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
+        seen = []
+        engine.dead_handlers.append(seen.append)
+        stream = engine.generate(prompts([8])[0], SamplingParams(max_tokens=200, ignore_eos=True), "victim")
+        await anext(stream)
+
+        def broken_step():
+            raise AssertionError("an invariant broke")
+        engine.client.core.step = broken_step
+
+        async def drain():
+            async for _ in stream:
+                pass
+        with pytest.raises(RuntimeError, match="the engine loop failed: AssertionError: an invariant broke"):
+            await asyncio.wait_for(drain(), 30)  # before: the stream waited forever
+        assert engine.errored and len(seen) == 1
+        with pytest.raises(RuntimeError, match="the engine loop has failed"):
+            await collect(engine, prompts([4])[0], GREEDY, "after")
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core import EngineStats, Rejected
@@ -65,6 +65,8 @@ class AsyncLLM:
         self.config = client.config
         self.collectors: dict[str, OutputCollector] = {}
         self._stopping = False
+        # Called once if the engine core dies (the server exits so that its supervisor restarts it).
+        self.dead_handlers: list[Callable[[Exception], None]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, multiprocess: bool | None = None) -> AsyncLLM:
@@ -154,6 +156,10 @@ class AsyncLLM:
     def on_engine_dead(self, error: Exception) -> None:
         for collector in self.collectors.values():
             collector.put(error)
+        if not self.dead_handlers:
+            logger.error("%s", error)
+        for handler in self.dead_handlers:
+            handler(error)
 
 
 # Upstream's name for the asynchronous engine (its V1 AsyncLLMEngine is this class too).

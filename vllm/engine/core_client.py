@@ -60,8 +60,11 @@ class InprocClient:
             self._sink = sink
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+            self._task.add_done_callback(self._loop_ended)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if self.dead:
+            raise RuntimeError("the engine loop has failed; the server cannot run requests")
         self._requests.append((request_id, prompt, params))
         self._wakeup.set()
 
@@ -75,7 +78,7 @@ class InprocClient:
         self._stopping = True
         if self._task is not None:
             self._wakeup.set()
-            await self._task
+            await asyncio.gather(self._task, return_exceptions=True)  # a failed loop was reported when it ended
             self._task = None
 
     def stats(self) -> EngineStats:
@@ -94,6 +97,15 @@ class InprocClient:
                     await self._wakeup.wait()
                 continue
             self._sink.on_outputs(*await loop.run_in_executor(None, self.core.step))
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A loop that ended other than by shutdown is an engine that can run nothing more: say so, as MPClient
+        does when its core process dies."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.dead = True
+        error = task.exception()
+        self._sink.on_engine_dead(RuntimeError(f"the engine loop failed: {type(error).__name__}: {error}"))
 
     def _apply_requests(self) -> None:
         requests, self._requests = self._requests, []
@@ -219,7 +231,6 @@ class MPClient:
         self.dead = True
         self.proc.join(1)
         error = RuntimeError(f"the engine process died (exit code {self.proc.exitcode}); its log says why")
-        logger.error("%s", error)
         self._prompts.clear()
         self._stopped.set_result(None)
         self._sink.on_engine_dead(error)

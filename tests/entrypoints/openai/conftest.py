@@ -63,8 +63,9 @@ class RemoteServer:
     def stderr(self) -> str:
         return Path(self.err.name).read_text()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> float:
-        """Signals the server and returns how long it took to exit (kills it if it overstays `timeout`)."""
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> float:
+        """Signals the server (SIGINT: stop now; SIGTERM drains requests in flight) and returns how long it took to
+        exit (kills it if it overstays `timeout`)."""
         start = time.monotonic()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -41,7 +41,7 @@ async def _whole(client: httpx.AsyncClient) -> int | str:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_with_requests_in_flight(start_server, read_metrics, sig):
-    server = start_server()
+    server = start_server("--shutdown-timeout", "0")  # SIGTERM aborts too (its default drains)
 
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -98,7 +98,7 @@ def _wait_until_sends_block(server, read_metrics, limit_s: float = 240) -> None:
 
 
 def test_sigterm_with_a_client_that_stopped_reading_is_prompt_and_quiet(start_server, read_metrics):
-    server = start_server("--max-model-len", "4096")
+    server = start_server("--max-model-len", "4096", "--shutdown-timeout", "0")
     stalled = _stalled_stream(server)
     _wait_until_sends_block(server, read_metrics)
     exit_s = server.stop(signal.SIGTERM)
@@ -200,3 +200,63 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
     # The default bind is every interface (upstream's), which a listener on 127.0.0.1 already blocks.
     assert f"cannot listen on 0.0.0.0:{port}: Address already in use" in result.stderr
     assert "Loading safetensors" not in result.stderr and "attention backends" not in result.stderr
+
+
+def _stream_after_signals(server, *signals: int) -> list[dict]:
+    """A streamed completion that has begun when the signals are sent; its chunks (an error is a chunk too)."""
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 64, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            for sig in signals:
+                server.proc.send_signal(sig)
+                time.sleep(0.2)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+
+
+def test_sigterm_drains_by_default(start_server):
+    """No flag: SIGTERM lets the stream finish whole (upstream's default would abort it)."""
+    server = start_server()
+    chunks = _stream_after_signals(server, signal.SIGTERM)
+    assert not any("error" in c for c in chunks), ([c for c in chunks if "error" in c], server.stderr()[-2000:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(30) == 0
+    assert "draining: requests in flight have 20 s to finish" in server.stderr()
+
+
+def test_a_second_signal_during_the_drain_aborts_at_once(start_server):
+    server = start_server("--max-model-len", "4096")
+    start = time.monotonic()
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 4000, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            server.proc.send_signal(signal.SIGINT)
+            last = [line for line in lines if line.startswith("data: ")][-2]
+    assert "error" in json.loads(last[6:])  # aborted, not finished: 4000 tokens take far longer
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - start < EXIT_LIMIT_S + 5
+    assert "a second signal: aborting the requests still in flight" in server.stderr()
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
+def test_the_server_exits_non_zero_when_its_engine_core_dies(start_server):
+    server = start_server()
+    core = max(_engine_core(server.proc.pid), key=_rss_kb)  # the one that holds the model
+    os.kill(core, signal.SIGKILL)
+    assert server.proc.wait(30) == 1
+    err = server.stderr()
+    assert "the engine process died (exit code -9); its log says why: the API server exits (code 1) so that its " \
+           "supervisor can restart it" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

@@ -14,6 +14,9 @@ from vllm.sampling_params import MAX_LOGPROBS
 
 API_KEY_ENV = "VLLM_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# SIGTERM's drain: Kubernetes sends SIGKILL 30 s after SIGTERM by default, and stopping the engine core and
+# closing connections after the drain takes a few seconds more (upstream's default, 0, aborts at once).
+DRAIN_S = 20.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,9 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) replacing the tokenizer's own")
-    p.add_argument("--shutdown-timeout", type=float, default=0,
-                   help="on SIGTERM/SIGINT, seconds to let requests in flight finish (new ones get 503) before "
-                        "the rest are aborted (default 0: abort at once)")
+    p.add_argument("--shutdown-timeout", type=float, default=DRAIN_S,
+                   help="on SIGTERM, seconds to let requests in flight finish (new ones get 503) before the rest "
+                        f"are aborted (default {DRAIN_S:g}; 0: abort at once, as SIGINT does)")
     p.add_argument("--api-server-count", type=int, default=1, help="HTTP server processes (only 1 here)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprob tokens as "token_id:N" (requests may override with the field of that name)')

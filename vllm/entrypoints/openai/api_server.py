@@ -300,13 +300,16 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
 
 
 class Server(uvicorn.Server):
-    """uvicorn plus: a line once listening, in-flight requests ended at the first SIGINT/SIGTERM, and signals
-    handled here rather than re-raised at exit (uvicorn re-raises each one it caught once it has shut down,
-    which turned a second Ctrl-C or a SIGTERM into tracebacks)."""
+    """uvicorn plus: a line once listening; SIGTERM drains requests in flight for --shutdown-timeout seconds, SIGINT
+    (and a second signal) aborts them at once; the process exits non-zero if the engine core dies, so that a
+    supervisor restarts it; signals are handled here rather than re-raised at exit (uvicorn re-raises each one it
+    caught once it has shut down, which turned a second Ctrl-C or a SIGTERM into tracebacks)."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, names: list[str]) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine, settings: ServerSettings) -> None:
         super().__init__(config)
-        self.app, self.names, self.loop = app, names, None
+        self.app, self.engine, self.settings, self.loop = app, engine, settings, None
+        self.exit_code = 0
+        engine.dead_handlers.append(self.engine_died)
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -314,18 +317,32 @@ class Server(uvicorn.Server):
         if self.started:
             freeze_gc_heap()  # the app, the tokenizer and the engine client live as long as the server
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(f"vllm API server ready: serving {', '.join(self.names)} on http://{host}:{port}", flush=True)
+            names = ", ".join(self.settings.served_model_names)
+            print(f"vllm API server ready: serving {names} on http://{host}:{port}", flush=True)
+
+    def engine_died(self, error: Exception) -> None:
+        """Runs on the loop. Requests in flight have their error already; a server that can run nothing more
+        exits, as upstream's does, rather than answering 503 forever."""
+        logger.error("%s: the API server exits (code 1) so that its supervisor can restart it", error)
+        self.exit_code = 1
+        self.should_exit = True
+        self.app.state.begin_shutdown()
 
     def handle_exit(self, sig, frame) -> None:
-        # No forced exit on a second Ctrl-C (uvicorn's): that skips the lifespan shutdown and tears tasks down
-        # with tracebacks, while the graceful one is already bounded (requests aborted at once, stalled
-        # clients cut after STALLED_AT_SHUTDOWN_S, GRACEFUL_SHUTDOWN_S at most).
+        # No forced exit on a second signal (uvicorn's): that skips the lifespan shutdown and tears tasks down
+        # with tracebacks. A second signal during a drain aborts what is still in flight instead.
         if self.should_exit:
-            logger.warning("already shutting down (within %d s)", self.config.timeout_graceful_shutdown)
+            if self.loop is not None and self.app.state.draining and self.app.state.shutdown_task is None:
+                logger.warning("a second signal: aborting the requests still in flight")
+                self.loop.call_soon_threadsafe(self.app.state.begin_shutdown)
+            else:
+                logger.warning("already shutting down (within %d s)", self.config.timeout_graceful_shutdown)
             return
         self.should_exit = True
         if self.loop is not None:  # signal handlers run between bytecodes: hand the work to the loop
-            drain = self.config.timeout_graceful_shutdown > GRACEFUL_SHUTDOWN_S
+            # SIGTERM is a supervisor's stop (a rollout, a scale-down): let requests finish. SIGINT is a person
+            # at a terminal who wants the process gone.
+            drain = sig == signal.SIGTERM and self.settings.shutdown_timeout_s > 0
             self.loop.call_soon_threadsafe(self.app.state.begin_drain if drain else self.app.state.begin_shutdown)
 
     async def shutdown(self, sockets=None) -> None:
@@ -364,8 +381,9 @@ def run_server(engine, settings: ServerSettings, sock: socket.socket, log_level:
     # With --shutdown-timeout uvicorn waits that long for open connections (the requests draining) as well.
     config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + settings.shutdown_timeout_s)
-    Server(config, app, settings.served_model_names).run(sockets=[sock])
-    return 0
+    server = Server(config, app, engine, settings)
+    server.run(sockets=[sock])
+    return server.exit_code
 
 
 if __name__ == "__main__":  # upstream's `python -m vllm.entrypoints.openai.api_server --model ...`
