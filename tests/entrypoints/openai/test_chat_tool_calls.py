@@ -62,7 +62,9 @@ def engine():
 
 def _client(engine, tools: ToolSettings) -> tuple[openai.AsyncOpenAI, Script]:
     script = Script(engine)
-    app = build_app(engine, ServerSettings(served_model_names=["kimi"], log_requests=False, tools=tools))
+    # The tests send their template with each request, as a trusted client may.
+    app = build_app(engine, ServerSettings(served_model_names=["kimi"], log_requests=False, tools=tools,
+                                           trust_request_chat_template=True))
     engine.generate = script.generate  # the module's engine: each test's app answers from its own script
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     return openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http), script

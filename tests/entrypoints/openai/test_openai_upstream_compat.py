@@ -27,7 +27,8 @@ def server(start_server, tmp_path_factory):
                         "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
                         "--enable-prompt-tokens-details", "--return-tokens-as-token-ids", "-tp", "1",
                         "--enable-prefix-caching", "--disable-log-stats", "--dtype", "float", "--root-path", "/proxy",
-                        "--max-logprobs", "-1")  # -1 lifts the limit, so the whole vocabulary may be asked for
+                        "--max-logprobs", "-1",  # -1 lifts the limit, so the whole vocabulary may be asked for
+                        "--trust-request-chat-template")  # a test sends its own template
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template text) replacing the tokenizer's own")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent in a request (a template is code the server runs; off by "
+                        "default, as upstream: such requests get 400)")
+    p.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a chat-template render running longer is stopped and the request gets 400 (default 10)")
     p.add_argument("--shutdown-timeout", type=float, default=DRAIN_S,
                    help="on SIGTERM, seconds to let requests in flight finish (new ones get 503) before the rest "
                         f"are aborted (default {DRAIN_S:g}; 0: abort at once, as SIGINT does)")
@@ -105,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_server_count != 1:
         raise ValueError(f"--api-server-count={args.api_server_count} is not supported by this engine: one HTTP "
                          "server process serves (it is not the bottleneck of a one-device engine)")
+    if not args.chat_template_timeout > 0:
+        raise ValueError(f"--chat-template-timeout={args.chat_template_timeout} is invalid: expected seconds > 0")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} is invalid: expected seconds >= 0")
     check_upstream_args({name: getattr(args, name) for name in SERVER_ARGS if getattr(args, name) is not None},
@@ -137,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_request_body_bytes,
                               api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                               chat_template=chat_template,
+                              trust_request_chat_template=args.trust_request_chat_template,
+                              chat_template_timeout_s=args.chat_template_timeout,
                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                               enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                               enable_force_include_usage=args.enable_force_include_usage,

@@ -278,8 +278,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt,
                                           add_special_tokens=req.add_special_tokens is not False)
         elif req.add_special_tokens:  # the rendered conversation, with the tokenizer's BOS as well
-            ids = await asyncio.to_thread(engine.tokenizer.encode, await chat.prompt_ids(req, tokenize=False),
-                                          add_special_tokens=True)
+            ids = await chat.prompt_ids(req, output="encoded")
         else:
             ids = await chat.prompt_ids(req)
         # token_strs is always there (null unless asked for), as upstream's response has it.

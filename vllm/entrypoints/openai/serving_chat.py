@@ -2,20 +2,26 @@
 chat.completion.chunk events."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from contextlib import aclosing
+from typing import Literal
 
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
+from vllm.entrypoints.openai.chat_render import (ChatRenderer, RenderJob, RenderLimits, check_template_fields,
+                                                 reserved_kwargs)
 from vllm.entrypoints.openai.chat_tools import ChoiceParser, check_tool_settings, forced_prefix, tool_choice_mode
+from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
-from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
-                                                    started, until_disconnect)
+from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, ServerSettings, SSEResponse,
+                                                    prompt_logprobs_json, sse, started, stream_when_started,
+                                                    until_disconnect)
 from vllm.outputs import Logprob, OutputJoiner
+from vllm.transformers_utils.tokenizer import get_tokenizer
 
 ROLE = "assistant"  # the role of every answer
 # The keys of OpenAI's chat message that this server never fills: present and empty, as in upstream's answers,
@@ -25,25 +31,43 @@ PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the an
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, tokenize: bool = True) -> list[int] | str:
-        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree (with tokenize=False
-        the rendered text instead); rendered and tokenized in a worker thread, off the event loop. The request's
-        template beats --chat-template, which beats the tokenizer's own."""
-        conversation = [m.model_dump(exclude_none=True) for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:  # the template renders them (transformers' `tools` argument)
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        template = req.chat_template or self.settings.chat_template
-        try:
-            ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, conversation,
-                                          add_generation_prompt=req.add_generation_prompt,
-                                          continue_final_message=req.continue_final_message, tokenize=tokenize,
-                                          chat_template=template, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a template error is about these messages
-            raise APIError(400, f"messages could not be rendered by the chat template: {e}", "messages") from None
-        if not tokenize:
-            return ids
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    def __init__(self, engine, settings: ServerSettings, metrics: Metrics) -> None:
+        super().__init__(engine, settings, metrics)
+        mc = engine.config.model_config
+        # The tokenizer the engine and LLM.chat load, loaded again in each renderer process (chat_render.py).
+        load = functools.partial(get_tokenizer, mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        self.renderer = ChatRenderer(load, RenderLimits(timeout_s=settings.chat_template_timeout_s))
+        self.renderer.start()
+        self.reserved_kwargs = reserved_kwargs(engine.tokenizer)
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutting_down
+
+    @shutting_down.setter
+    def shutting_down(self, value: bool) -> None:
+        # The server's shutdown sets this: the renderer processes stop with it (renders in flight get 503).
+        self._shutting_down = value
+        if value:
+            self.renderer.close()
+
+    async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest,
+                         output: Literal["ids", "text", "encoded"] = "ids") -> list[int] | str:
+        """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree (or the rendered text,
+        or that text tokenized with the tokenizer's special tokens: chat_render.RenderJob); rendered in a renderer
+        process, bounded in time and size. The request's template (with --trust-request-chat-template) beats
+        --chat-template, which beats the tokenizer's own."""
+        check_template_fields(req.chat_template, req.chat_template_kwargs, self.settings.trust_request_chat_template,
+                              self.reserved_kwargs)
+        job = RenderJob(conversation=[m.model_dump(exclude_none=True) for m in req.messages],
+                        chat_template=req.chat_template or self.settings.chat_template,
+                        kwargs=dict(req.chat_template_kwargs or {}),
+                        # the template renders them (transformers' `tools` argument)
+                        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message, output=output,
+                        from_request=bool(req.chat_template))
+        return await self.renderer.render(job)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
@@ -79,8 +103,11 @@ class OpenAIServingChat(OpenAIServing):
         base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         prompts = [{"prompt_token_ids": ids}]
         # Beam search answers once, with every beam (best first) as a choice; streamed, as one delta each.
-        outputs = self.beam_search(prompts, beam, request_id) if beam is not None else \
-            self.generate(prompts, params, request_id)
+        outputs = self.beam_search(prompts, beam, request_id, params.logprobs, params.prompt_logprobs) \
+            if beam is not None else self.generate(prompts, params, request_id)
+        if req.stream and beam is not None:  # the beams come at the search's end: a disconnect before then aborts it
+            return await stream_when_started(raw, outputs, lambda outs: self.stream(req, outs, base, parsers),
+                                             self.stall_limit)
         if req.stream:  # bad input raises before the response starts
             return SSEResponse(self.stream(req, await started(outputs), base, parsers), self.stall_limit)
         return await until_disconnect(raw, self.full(req, outputs, base, parsers))

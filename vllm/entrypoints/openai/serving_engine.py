@@ -37,6 +37,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     chat_template: str | None = None  # --chat-template (its text); None: the tokenizer's own
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may bring a template
+    chat_template_timeout_s: float = 10.0  # --chat-template-timeout: a render running longer is stopped (400)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details
     enable_force_include_usage: bool = False  # every stream ends with usage, asked for or not
