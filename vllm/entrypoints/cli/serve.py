@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) clients pass as `model` (default: the model path); the first is reported")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics and "
+                        f"/version (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-log-len", type=int, default=None,
                    help="log at most this many prompt characters (or token ids) per request")
     p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")

@@ -39,6 +39,10 @@ logger = logging.getLogger("vllm.entrypoints.openai")
 GRACEFUL_SHUTDOWN_S = 5  # in-flight requests are aborted at the signal; this bounds any straggler connection
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body so the client sees the 413
+# The routes --api-key leaves open: probes and monitoring, which carry no credentials and run no client input.
+# Upstream guards only /v1 (and a few other prefixes); here every other route needs the key, since /tokenize,
+# /invocations and the docs run or reveal as much as /v1 does.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 def _reject_constant(name: str):
@@ -107,7 +111,8 @@ def _lone_surrogate(data) -> str | None:
 
 
 class Guard:
-    """ASGI middleware: API key on /v1/* and the body-size limit, answered before any route runs."""
+    """ASGI middleware: the API key on every route but OPEN_PATHS, and the body-size limit, answered before any
+    route runs."""
 
     def __init__(self, app, settings: ServerSettings) -> None:
         self.app, self.settings = app, settings
@@ -144,7 +149,7 @@ class Guard:
         if path.startswith("/v1") and scope["app"].state.draining:
             return APIError(503, "the server is shutting down and takes no new requests")
         # A CORS preflight (OPTIONS) carries no credentials by design; the CORS middleware answers it.
-        if self.expected is not None and path.startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.expected is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
                 return APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
