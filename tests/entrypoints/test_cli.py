@@ -96,3 +96,18 @@ def test_json_flags_nested_too_deeply_are_argparse_errors(capsys, flag):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert f"error: argument {flag}" in err and "not valid JSON: arrays or objects nested too deeply" in err
+
+
+def test_serve_cors_flags_nested_too_deeply_are_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--allowed-origins", "[" * 30_000])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "error: argument --allowed-origins: not valid JSON" in err
+
+
+def test_a_config_file_nested_too_deeply_is_one_line(tmp_path, capsys):
+    config = tmp_path / "deep.yaml"
+    config.write_text("max-model-len: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --config {config}: lists or mappings nested too deeply to read"

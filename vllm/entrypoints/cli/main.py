@@ -47,6 +47,8 @@ def expand_config_file(argv: list[str], known: set[str]) -> list[str]:
         loaded = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"--config {path}: cannot read it as YAML ({e})") from None
+    except RecursionError:
+        raise ValueError(f"--config {path}: lists or mappings nested too deeply to read") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     flags = []

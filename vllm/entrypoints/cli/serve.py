@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import socket
 from pathlib import Path
 
-from vllm.engine.arg_compat import IGNORED, UNSUPPORTED, UpstreamArg, add_upstream_args, check_upstream_args
+from vllm.engine.arg_compat import IGNORED, UNSUPPORTED, UpstreamArg, add_upstream_args, check_upstream_args, json_value
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import MAX_LOGPROBS
 
@@ -75,9 +74,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 SERVER_ARGS = {a.name: a for a in [
-    UpstreamArg("allowed_origins", IGNORED, "CORS allows any origin, as upstream's default", (), json.loads),
-    UpstreamArg("allowed_methods", IGNORED, "CORS allows any method, as upstream's default", (), json.loads),
-    UpstreamArg("allowed_headers", IGNORED, "CORS allows any header, as upstream's default", (), json.loads),
+    UpstreamArg("allowed_origins", IGNORED, "CORS allows any origin, as upstream's default", (), json_value),
+    UpstreamArg("allowed_methods", IGNORED, "CORS allows any method, as upstream's default", (), json_value),
+    UpstreamArg("allowed_headers", IGNORED, "CORS allows any header, as upstream's default", (), json_value),
     UpstreamArg("allow_credentials", IGNORED, "CORS requests carry no credentials", (), None),
     UpstreamArg("ssl_keyfile", UNSUPPORTED, "TLS is not built in; put a TLS proxy in front"),
     UpstreamArg("ssl_certfile", UNSUPPORTED, "TLS is not built in; put a TLS proxy in front"),
