@@ -10,7 +10,6 @@ import contextlib
 import hmac
 import json
 import logging
-import re
 import signal
 import socket
 import threading
@@ -31,13 +30,13 @@ from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, C
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
+from vllm.inputs.validation import LONE_SURROGATE
 from vllm.utils import freeze_gc_heap
 from vllm.version import __version__
 
 logger = logging.getLogger("vllm.entrypoints.openai")
 
-GRACEFUL_SHUTDOWN_S = 5  # in-flight requests are aborted at the signal; this bounds any straggler connection
-_SURROGATE = re.compile("[\ud800-\udfff]")
+GRACEFUL_SHUTDOWN_S = 5  # after the requests in flight end (or are aborted): bounds any straggler connection
 _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized body so the client sees the 413
 # The routes --api-key leaves open: probes and monitoring, which carry no credentials and run no client input.
 # Upstream guards only /v1 (and a few other prefixes); here every other route needs the key, since /tokenize,
@@ -97,12 +96,12 @@ def _lone_surrogate(data) -> str | None:
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if LONE_SURROGATE.search(value):
                 return path
         elif isinstance(value, dict):
             for k, v in value.items():
                 key_path = f"{path}.{k}".lstrip(".")
-                if _SURROGATE.search(k):
+                if LONE_SURROGATE.search(k):
                     return path
                 stack.append((key_path, v))
         elif isinstance(value, list):
