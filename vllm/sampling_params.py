@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
 MAX_LOGPROBS = 20  # upstream's default --max-logprobs
@@ -11,6 +13,15 @@ SEED_RANGE = (-(1 << 63), 1 << 64)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 _REQUIRED_INT_FIELDS = ("n", "top_k", "min_tokens")
+# Per-request list limits (docs/serving.md). allowed_token_ids and logit_bias become one vector per request when
+# it first samples, so their length costs that once; a vocabulary's worth (the largest are ~256K tokens) is the
+# most that means anything. The others are walked while the request runs: stop strings at each step's new text,
+# bad words (two token sequences each) and stop_token_ids (banned while below min_tokens) at each step.
+MAX_TOKEN_ID_LIST = 1 << 18  # allowed_token_ids, logit_bias entries
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 128
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # beam scores divide by length ** length_penalty: finite for any length
 
 
 class RequestOutputKind(enum.Enum):
@@ -52,8 +63,12 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     # Filled by the engine from bad_words: the token sequences the output must never end with.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    # Filled by the sampler when the request first samples: logit_bias and allowed_token_ids as one vector added
+    # to its logits (sample/sampler.py `token_bias_vector`), so a step costs the same however long they are.
+    token_bias: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_list_limits()  # first: the checks below walk the lists
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -78,6 +93,14 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _check_list_limits(self) -> None:
+        for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+                            ("logit_bias", MAX_TOKEN_ID_LIST), ("allowed_token_ids", MAX_TOKEN_ID_LIST),
+                            ("bad_words", MAX_BAD_WORDS)):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple, dict)) and len(value) > limit:
+                raise ValueError(f"{name} must hold at most {limit} entries, got {len(value)}")
 
     def _validate(self) -> None:
         # Types first, so a wrong-typed value is named instead of failing a comparison below.
@@ -156,6 +179,10 @@ class SamplingParams:
                 "allowed_token_ids": self.allowed_token_ids or []}
 
     @property
+    def has_token_bias(self) -> bool:
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    @property
     def has_logits_processing(self) -> bool:
         """logit_bias, allowed_token_ids or bad_words: rows the sampler reshapes (and the rejection sampler
         cannot)."""
@@ -185,3 +212,8 @@ class BeamSearchParams:
                              f"at {MAX_LOGPROBS}), got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        lo, hi = LENGTH_PENALTY_RANGE
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or not lo <= lp <= hi:
+            raise ValueError(f"length_penalty must be a finite number in [{lo:g}, {hi:g}] (beam scores divide by "
+                             f"length ** length_penalty), got {lp!r}")

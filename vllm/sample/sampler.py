@@ -37,17 +37,26 @@ class SamplingMetadata:
     no_penalties: bool
     no_min_p: bool = False
     no_top_k_top_p: bool = False
-    # Per row (None where a row has none; the whole field None when no row has any): logit_bias and
-    # allowed_token_ids, applied with the banned ids.
-    logit_bias: list[dict[int, float] | None] | None = None
-    allowed_token_ids: list[list[int] | None] | None = None
+    # The rows with logit_bias or allowed_token_ids and their params (None when no row has any). Their vectors
+    # are stacked once per metadata (`token_bias`), so a reused metadata costs nothing more per step.
+    token_bias_rows: list[int] | None = None
+    token_bias_params: list[SamplingParams] | None = None
+    _token_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def argmax_only(self) -> bool:
         """Every row's token is its logits' argmax, and nothing else is asked of the logits (no penalty, ban,
         bias or logprobs): what Sampler would return is the argmax itself."""
-        return (self.all_greedy and self.no_penalties and self.max_num_logprobs is None and self.logit_bias is None
-                and self.allowed_token_ids is None and not any(self.banned_token_ids))
+        return (self.all_greedy and self.no_penalties and self.max_num_logprobs is None
+                and self.token_bias_rows is None and not any(self.banned_token_ids))
+
+    def token_bias(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the biased rows' indices, their bias vectors [rows, V]) on the logits' device, built on first use."""
+        if self._token_bias is None:
+            vocab, device = logits.shape[1], logits.device
+            vectors = [token_bias_vector(p, vocab, device, logits.dtype) for p in self.token_bias_params]
+            self._token_bias = (async_tensor_h2d(self.token_bias_rows, torch.int64, device), torch.stack(vectors))
+        return self._token_bias
 
     @classmethod
     def from_requests(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -69,6 +78,7 @@ class SamplingMetadata:
                                    device).view(len(params), len(_COLUMNS)).t()
         col = dict(zip(_COLUMNS, columns))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        biased = [i for i, p in enumerate(params) if p.has_token_bias]
         return cls(
             temperature=col["temperature"],
             top_k=col["top_k"].long(),
@@ -86,9 +96,8 @@ class SamplingMetadata:
             no_penalties=no_penalties,
             no_min_p=all(p.min_p == 0 for p in params),
             no_top_k_top_p=all(p.top_k == 0 and p.top_p == 1 for p in params),
-            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
-            allowed_token_ids=[p.allowed_token_ids for p in params]
-            if any(p.allowed_token_ids for p in params) else None,
+            token_bias_rows=biased or None,
+            token_bias_params=[params[i] for i in biased] or None,
         )
 
 
@@ -114,8 +123,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         if any(meta.banned_token_ids):
             logits = logits.masked_fill(token_counts(meta.banned_token_ids, logits) > 0, float("-inf"))
-        if meta.logit_bias is not None or meta.allowed_token_ids is not None:
-            logits = apply_token_bias(logits, meta)
+        if meta.token_bias_rows is not None:
+            rows, bias = meta.token_bias(logits)
+            logits = logits.index_add(0, rows, bias)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         sampled = logits.argmax(-1)
@@ -129,32 +139,34 @@ class Sampler:
 
 
 def token_counts(rows: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] float32 count of each token id in each row, on the logits' device."""
+    """[B, V] float32 count of each token id in each row, on the logits' device. Host work is the ids
+    themselves: a long row costs only its own request, not every row padded to it."""
     num_rows, vocab_size = logits.shape
-    width = max(map(len, rows), default=0)
-    # Padding with an id one past the vocab lands in a spare column that is cut off, so ragged rows need no mask.
-    ids = async_tensor_h2d([list(r) + [vocab_size] * (width - len(r)) for r in rows], torch.int64,
-                           logits.device).view(num_rows, width)
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=logits.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
+    index = async_tensor_h2d([[r for r, ids in enumerate(rows) for _ in ids], [t for ids in rows for t in ids]],
+                             torch.int64, logits.device)
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    counts.index_put_((index[0], index[1]), torch.ones(index.shape[1], device=logits.device), accumulate=True)
+    return counts
 
 
-def apply_token_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Each row's logit_bias added, and -inf outside its allowed_token_ids (rows without either unchanged)."""
-    n_rows, vocab = logits.shape
-    if meta.logit_bias is not None:
-        triples = [(r, tid, v) for r, bias in enumerate(meta.logit_bias) for tid, v in (bias or {}).items()]
-        rows, cols, vals = zip(*triples)
-        idx = async_tensor_h2d([rows, cols], torch.int64, logits.device).view(2, -1)
-        bias = torch.zeros(n_rows, vocab, dtype=logits.dtype, device=logits.device)
-        bias.index_put_((idx[0], idx[1]), async_tensor_h2d(vals, logits.dtype, logits.device), accumulate=True)
-        logits = logits + bias
-    if meta.allowed_token_ids is not None:
-        lists = [ids or [] for ids in meta.allowed_token_ids]
-        restricted = async_tensor_h2d([bool(ids) for ids in lists], torch.bool, logits.device)
-        logits = logits.masked_fill(restricted[:, None] & (token_counts(lists, logits) == 0), float("-inf"))
-    return logits
+def token_bias_vector(params: SamplingParams, vocab_size: int, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The request's logit_bias added, and -inf outside its allowed_token_ids, as one [V] vector to add to its
+    logits; built from the lists once and kept on the params (a request's params outlive its steps)."""
+    cached = params.token_bias
+    if cached is not None and cached.shape[0] == vocab_size and cached.device == device and cached.dtype == dtype:
+        return cached
+    if params.allowed_token_ids is not None:
+        vector = torch.full((vocab_size,), float("-inf"), dtype=dtype, device=device)
+        vector.index_fill_(0, async_tensor_h2d(params.allowed_token_ids, torch.int64, device), 0.0)
+    else:
+        vector = torch.zeros(vocab_size, dtype=dtype, device=device)
+    if params.logit_bias:
+        # -inf + bias stays -inf: a bias on a token that is not allowed changes nothing, as before.
+        vector.index_put_((async_tensor_h2d(list(params.logit_bias), torch.int64, device),),
+                          async_tensor_h2d(list(params.logit_bias.values()), dtype, device), accumulate=True)
+    params.token_bias = vector
+    return vector
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
