@@ -36,6 +36,20 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 
 
+def checked_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """A request's max_tokens (None: up to --max-model-len) once the prompt and it are known to fit; raises
+    ValueError otherwise. Beam search checks its whole search with it too (vllm/beam_search.py)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens but --max-model-len is {max_model_len}: it must "
+                         "be at most max_model_len - 1 so that at least one token can be generated")
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+                         f"--max-model-len ({max_model_len})")
+    return max_tokens
+
+
 class LLMEngine:
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
@@ -101,14 +115,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = self._checked(params)
         text, ids = self.process_prompt(prompt)
-        max_len = self.config.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but --max-model-len is {max_len}: it must be at "
-                             "most max_model_len - 1 so that at least one token can be generated")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
-        if len(ids) + max_tokens > max_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"--max-model-len ({max_len})")
+        max_tokens = checked_max_tokens(len(ids), params.max_tokens, self.config.model_config.max_model_len)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else dataclasses.replace(

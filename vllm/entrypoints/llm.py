@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from vllm.beam_search import BeamSearchOutput, beam_search
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.llm_engine import LLMEngine, checked_max_tokens
 from vllm.inputs import PromptType
 from vllm.inputs.validation import text_problem
 from vllm.lora.request import LoRARequest
@@ -62,6 +62,8 @@ class LLM:
             raise ValueError(f"lora_request={lora_request!r}: this engine serves no LoRA adapters")
         engine = self.llm_engine
         ids = [engine.process_prompt(p)[1] for p in prompts]
+        for p in ids:  # what add_request checks of a plain request, for the whole search
+            checked_max_tokens(len(p), params.max_tokens, engine.model_config.max_model_len)
         tok = self.get_tokenizer()
         return beam_search(lambda batch, sp: self.generate(batch, sp, use_tqdm=use_tqdm), tok.decode, ids, params,
                            engine.eos_token_ids)

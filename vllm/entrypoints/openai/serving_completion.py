@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import APIError, CompletionRequest
 from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
-                                                    started, until_disconnect)
+                                                    started, stream_when_started, until_disconnect)
 from vllm.inputs.validation import prompt_problem
 from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 
@@ -37,8 +37,10 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, p in enumerate(prompts):
             self.log_request(f"{request_id}-{i}", p, params)
         run = _Run(self, req, request_id)
-        outputs = self.beam_search(prompts, beam, request_id) if beam is not None else \
-            self.generate(prompts, params, request_id)
+        outputs = self.beam_search(prompts, beam, request_id, params.logprobs, params.prompt_logprobs) \
+            if beam is not None else self.generate(prompts, params, request_id)
+        if req.stream and beam is not None:  # the beams come at the search's end: a disconnect before then aborts it
+            return await stream_when_started(raw, outputs, run.stream, self.stall_limit)
         if req.stream:  # bad input raises before the response starts
             return SSEResponse(run.stream(await started(outputs)), self.stall_limit)
         return await until_disconnect(raw, run.full(outputs))

@@ -14,10 +14,11 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from vllm.beam_search import beam_search_steps, beam_step_params
+from vllm.engine.llm_engine import checked_max_tokens
 from vllm.entrypoints.openai.chat_tools import ToolSettings
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
-from vllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from vllm.sampling_params import MAX_LOGPROBS, BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vllm.entrypoints.openai")
@@ -26,7 +27,7 @@ DONE = "data: [DONE]\n\n"
 STALLED_CLIENT_S = 60.0  # a stream whose send blocks this long (the client reads nothing) is cut
 STALLED_AT_SHUTDOWN_S = 1.0  # once shutting down, waiting for such a client only delays the exit
 STALL_CHECK_S = 0.25
-_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"prompt_token_ids"}
+_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"prompt_token_ids", "length_penalty"}
 
 
 @dataclass(slots=True)
@@ -206,31 +207,56 @@ class OpenAIServing:
         logger.error("request failed: %s", e)
         return APIError(500, f"the engine failed: {e}")
 
-    async def beam_search(self, prompts: list[str | list[int] | dict], params: BeamSearchParams,
-                          request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, final output) for each prompt, its choices the beams, best first. Each step runs every
-        live beam as an engine request through `generate` (vllm/beam_search.py drives the search)."""
+    def beam_search(self, prompts: list[str | list[int] | dict], params: BeamSearchParams, request_id: str,
+                    logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, final output) for each prompt, its choices the beams, best first, with `logprobs` per
+        token (the chosen token and the top k; None: none). Each step runs every live beam as an engine request
+        through `generate` (vllm/beam_search.py drives the search). The checks a plain request gets (prompt and
+        max_tokens within --max-model-len) raise here, as an APIError before any response; the search runs when
+        the result is iterated, and closing it aborts the step running."""
         tok = self.engine.tokenizer
         ids = [p if isinstance(p, list) else p["prompt_token_ids"] if isinstance(p, dict) else tok.encode(p)
                for p in prompts]
-        step_params = dataclasses.replace(beam_step_params(params), output_kind=RequestOutputKind.FINAL_ONLY)
+        try:
+            for p in ids:
+                checked_max_tokens(len(p), params.max_tokens, self.engine.config.model_config.max_model_len)
+            step_params = dataclasses.replace(beam_step_params(params, logprobs),
+                                              output_kind=RequestOutputKind.FINAL_ONLY)
+            first_params = step_params if prompt_logprobs is None else dataclasses.replace(
+                step_params, prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise self.error(e) from None
+        return self._beam_search(ids, params, (first_params, step_params), request_id, logprobs)
+
+    async def _beam_search(self, ids: list[list[int]], params: BeamSearchParams,
+                           step_params: tuple[SamplingParams, SamplingParams], request_id: str,
+                           logprobs: int | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The search of `beam_search`; the first step (each prompt alone) also brings the prompts' logprobs
+        if asked for (step_params[0])."""
+        tok = self.engine.tokenizer
         steps = beam_search_steps(None, ids, params, self.engine.config.model_config.eos_token_ids(tok.eos_token_id))
+        prompt_lps: list[PromptLogprobs | None] = [None] * len(ids)
         try:
             batch, step = next(steps), 0
             while True:
                 outs: list[RequestOutput | None] = [None] * len(batch)
-                async with aclosing(self.generate(batch, step_params, f"{request_id}-beam{step}")) as gen:
+                sp = step_params[0] if step == 0 else step_params[1]
+                async with aclosing(self.generate(batch, sp, f"{request_id}-beam{step}")) as gen:
                     async for j, out in gen:
                         outs[j] = out
+                if step == 0:  # one beam per prompt, in order
+                    prompt_lps = [out.prompt_logprobs for out in outs]
                 batch, step = steps.send(outs), step + 1
         except StopIteration as finished:
             results = finished.value
         for i, result in enumerate(results):
             n = len(ids[i])
             beams = [CompletionOutput(j, tok.decode(b.tokens[n:], skip_special_tokens=True), b.tokens[n:],
-                                      b.cum_logprob, None, b.finish_reason, b.stop_reason)
+                                      b.cum_logprob, beam_logprobs(b.tokens[n:], b.logprobs, logprobs),
+                                      b.finish_reason, b.stop_reason)
                      for j, b in enumerate(result.sequences)]
-            yield i, RequestOutput(f"{request_id}-{i}", None, ids[i], None, beams, True)
+            yield i, RequestOutput(f"{request_id}-{i}", None, ids[i], prompt_lps[i], beams, True)
 
     async def generate(self, prompts: list[str | list[int] | dict], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -285,10 +311,22 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def beam_logprobs(tokens: list[int], rows: list[dict[int, Logprob]], k: int | None) -> SampleLogprobs | None:
+    """A beam's logprobs as a plain request's: per token the chosen one and the top k (-1: all the row has)."""
+    if k is None:
+        return None
+    return [{tid: row[tid], **{t: lp for t, lp in row.items() if k == -1 or lp.rank <= k}}
+            for tid, row in zip(tokens, rows)]
+
+
 async def started(outputs: AsyncIterator) -> AsyncIterator:
     """Waits for the first item (so bad input raises here, before any response) and returns an iterator over
-    all of them that closes `outputs` when it is closed."""
-    first = await anext(outputs)
+    all of them that closes `outputs` when it is closed (or now, if the wait fails or is cancelled)."""
+    try:
+        first = await anext(outputs)
+    except BaseException:
+        await outputs.aclose()
+        raise
 
     async def chain():
         try:
@@ -298,6 +336,17 @@ async def started(outputs: AsyncIterator) -> AsyncIterator:
         finally:
             await outputs.aclose()
     return chain()
+
+
+async def stream_when_started(request: Request, outputs: AsyncIterator,
+                              stream: Callable[[AsyncIterator], AsyncIterator[str]],
+                              stall_limit: Callable[[], float]) -> Response:
+    """A streamed answer whose first output may take long (beam search answers once, at its end): the wait
+    for it is watched for a disconnect like a whole answer's, which aborts it (499); bad input still raises
+    before the response starts."""
+    async def start() -> Response:
+        return SSEResponse(stream(await started(outputs)), stall_limit)
+    return await until_disconnect(request, start())
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
