@@ -3,6 +3,8 @@ length_penalty, and grows its beams without copying their histories per candidat
 beam search runs the same checks and search (tests/entrypoints/openai/test_beam_search_server.py)."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import tracemalloc
 
@@ -10,6 +12,12 @@ import pytest
 
 from vllm import LLM
 from vllm.beam_search import beam_search
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.metrics import Metrics
+from vllm.entrypoints.openai.protocol import CompletionRequest
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import ServerSettings
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -67,3 +75,40 @@ def test_candidates_share_their_beams_history():
     assert len(out[0].sequences) == 10 and out[0].sequences[0].tokens[:-3] == prompt
     copy = 8 * len(prompt)
     assert peak < 40 * copy, f"peak {peak / copy:.0f} prompt copies"
+
+
+def leaving_client(body: dict, after_s: float):
+    """A starlette Request whose client disconnects `after_s` seconds after sending `body`."""
+    from starlette.requests import Request
+    sent = [False]
+
+    async def receive():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await asyncio.sleep(after_s)
+        return {"type": "http.disconnect"}
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+
+
+def test_a_search_whose_client_leaves_is_aborted():
+    """The server's handler, in process: a 400-step search of 4 beams whose client leaves after 0.5 s returns
+    (499) within seconds, streamed or not, leaving no engine request behind and starting none later."""
+    async def go():
+        engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=512, dtype="float32"), multiprocess=False)
+        core = engine.client.engine
+        serving = OpenAIServingCompletion(engine, ServerSettings(["m"], log_requests=False), Metrics(engine, "m"))
+        try:
+            for stream in (True, False):
+                body = {"prompt": "def add(a, b):", "use_beam_search": True, "n": 4, "temperature": 0,
+                        "max_tokens": 400, "ignore_eos": True, "stream": stream}
+                response = await asyncio.wait_for(
+                    serving.create(CompletionRequest(**body), leaving_client(body, 0.5)), 20)
+                assert response.status_code == 499, stream
+                await asyncio.sleep(0.3)  # the loop processes the aborts
+                assert not core.has_unfinished_requests() and not engine.collectors, stream
+                await asyncio.sleep(1.0)  # a search left running would have started its next step
+                assert not core.has_unfinished_requests() and not engine.collectors, stream
+        finally:
+            await engine.shutdown()
+    asyncio.run(go())
