@@ -29,7 +29,7 @@ from vllm.entrypoints.openai.protocol import APIError
 logger = logging.getLogger("vllm.entrypoints.openai")
 
 STARTUP_TIMEOUT_S = 300.0  # a renderer loads the tokenizer before it is ready (a large one takes a while)
-RETIRE_GROWTH_BYTES = 512 << 20  # a renderer left this much larger than it started exits and is replaced
+RETIRE_GROWTH_BYTES = 256 << 20  # a renderer left this much larger than it started exits and is replaced
 ERROR_CHARS = 1000  # of an exception's message: a template's error can quote the whole prompt
 # apply_chat_template's own arguments (and render's variables) that a request may not set through
 # chat_template_kwargs: the server sets them, or they change what comes back (tensors, dicts, padding).
