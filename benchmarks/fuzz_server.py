@@ -106,6 +106,28 @@ def cases() -> list[tuple[str, str, str, dict]]:
          js({**GOOD, "stop_token_ids": [10**6], "min_tokens": 1})),
         ("huge-top-k-sampled", "POST", "/v1/completions", js({**GOOD, "temperature": 0.7, "top_k": 2**63})),
     ]
+    return out + new_surface_cases()
+
+
+def new_surface_cases() -> list[tuple[str, str, str, dict]]:
+    """Issue 46's surfaces: request chat templates, keyless routes, beam search limits, long per-request lists."""
+    looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    beam = {**GOOD, "use_beam_search": True, "n": 2, "max_tokens": 4}
+    out = [(f"{where}.chat_template", "POST", path, js({**CHAT, "chat_template": looping}))
+           for where, path in (("chat", "/v1/chat/completions"), ("tokenize", "/tokenize"))]
+    out += [(f"{where}.chat_template_kwargs.{k}", "POST", path, js({**CHAT, "chat_template_kwargs": {k: v}}))
+            for where, path in (("chat", "/v1/chat/completions"), ("tokenize", "/tokenize"))
+            for k, v in (("return_tensors", "pt"), ("tokenize", False), ("chat_template", looping))]
+    out += [(f"no-key{path}", "POST", path, js(body, {"Authorization": ""}))
+            for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]}),
+                               ("/invocations", GOOD))]
+    out += [(f"beam.{k}", "POST", "/v1/completions", js({**beam, **v})) for k, v in {
+        "max_tokens-over-max-model-len": {"max_tokens": 10**6}, "length_penalty=1e5": {"length_penalty": 1e5},
+        "length_penalty=1e308": {"length_penalty": 1e308}, "length_penalty=-1e308": {"length_penalty": -1e308},
+        "logprobs": {"logprobs": 2}}.items()]
+    out += [(f"completion.{k}=200k", "POST", "/v1/completions", js({**GOOD, k: v})) for k, v in {
+        "allowed_token_ids": [5] * 200_000, "logit_bias": {str(i): 1 for i in range(50_000)},
+        "stop": ["x"] * 10_000, "bad_words": ["ab"] * 10_000}.items()]
     return out
 
 
