@@ -14,9 +14,8 @@ engine that answers every beam at once with 2 x width made-up candidates (no mod
 from __future__ import annotations
 
 import argparse
-import time
-
 import random
+import time
 
 from vllm.beam_search import beam_search
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
