@@ -169,6 +169,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     def begin_shutdown() -> asyncio.Task:
         """In-flight requests end now (streams with an error event, others with 503) so shutdown is quick."""
         completion.shutting_down = chat.shutting_down = True
+        chat.renderer.close()  # renders in flight end with 503; no renderer process outlives the server
         if app.state.shutdown_task is None:
             app.state.shutdown_task = asyncio.ensure_future(engine.shutdown())
         return app.state.shutdown_task
@@ -185,6 +186,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        await chat.renderer.wait_ready()  # so that /health's 200 means a chat is rendered at once
         yield
         await begin_shutdown()
 

@@ -189,6 +189,18 @@ class ChatRenderer:
             except Exception as e:  # noqa: BLE001 - the first request tries again and reports it
                 logger.warning("could not start a chat renderer: %s", e)
 
+    async def wait_ready(self) -> None:
+        """Until every renderer has loaded its tokenizer; one that failed is logged (a request starts it again)."""
+        slots = [await self._acquire() for _ in self._slots]
+        try:
+            results = await asyncio.gather(*(self._ready(slot) for slot in slots), return_exceptions=True)
+        finally:
+            for slot in slots:
+                self._release(slot)
+        for error in results:
+            if isinstance(error, BaseException):
+                logger.warning("a chat renderer is not ready: %s", error)
+
     def close(self) -> None:
         """Kills every renderer; renders in flight and waiting end with 503."""
         if self.closed:

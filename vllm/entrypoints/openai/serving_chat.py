@@ -40,17 +40,6 @@ class OpenAIServingChat(OpenAIServing):
         self.renderer.start()
         self.reserved_kwargs = reserved_kwargs(engine.tokenizer)
 
-    @property
-    def shutting_down(self) -> bool:
-        return self._shutting_down
-
-    @shutting_down.setter
-    def shutting_down(self, value: bool) -> None:
-        # The server's shutdown sets this: the renderer processes stop with it (renders in flight get 503).
-        self._shutting_down = value
-        if value:
-            self.renderer.close()
-
     async def prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest,
                          output: Literal["ids", "text", "encoded"] = "ids") -> list[int] | str:
         """Token ids exactly as `LLM.chat` builds them, so the server and offline runs agree (or the rendered text,
