@@ -212,3 +212,18 @@ def test_a_failed_in_process_loop_is_a_dead_engine_and_says_so_once():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it_before_tokenizing():
+    """The tokenizer raises TypeError on a lone surrogate; the engine's own check comes first, on every entry."""
+    from vllm.sampling_params import BeamSearchParams
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(**ARGS), multiprocess=False)
+        for prompt in ("abc\ud800", {"prompt": "x\udfff"}):
+            with pytest.raises(ValueError, match="holds a lone UTF-16 surrogate"):
+                await collect(engine, prompt, GREEDY, "s")
+        await engine.shutdown()
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="holds a lone UTF-16 surrogate"):
+        LLM(**ARGS).beam_search(["abc\ud800"], BeamSearchParams(beam_width=2, max_tokens=2))

@@ -21,6 +21,7 @@ from vllm.engine.core import EngineStats, Rejected
 from vllm.engine.core_client import InprocClient, MPClient
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
+from vllm.inputs.validation import text_problem
 from vllm.envs import enable_multiprocessing
 from vllm.outputs import OutputJoiner, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -125,6 +126,8 @@ class AsyncLLM:
             prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None)
         if not isinstance(text, str):
             return prompt
+        if (problem := text_problem(text)) is not None:  # before the tokenizer, which raises TypeError on it
+            raise ValueError(problem)
         return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.tokenizer.encode, text)}
 
     async def abort(self, request_id: str) -> None:

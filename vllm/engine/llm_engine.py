@@ -17,7 +17,7 @@ from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
-from vllm.inputs.validation import prompt_problem
+from vllm.inputs.validation import prompt_problem, text_problem
 from vllm.outputs import RequestOutput
 from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
 from vllm.sample.penalties import PenaltyCounts
@@ -91,18 +91,19 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            else:
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, None
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
         else:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if (problem := text_problem(text)) is not None:  # before the tokenizer, which raises TypeError on it
+            raise ValueError(problem)
+        if ids is None:
+            ids = self.tokenizer.encode(text)
         problem = prompt_problem(ids, self.vocab_size, text)
         if problem is not None:
             raise ValueError(problem)
