@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
@@ -21,6 +22,7 @@ MAX_TOKEN_ID_LIST = 1 << 18  # allowed_token_ids, logit_bias entries
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 128
+REPR_ITEMS = 8  # of a long list in the logged SamplingParams
 LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # beam scores divide by length ** length_penalty: finite for any length
 
 
@@ -66,6 +68,22 @@ class SamplingParams:
     # Filled by the sampler when the request first samples: logit_bias and allowed_token_ids as one vector added
     # to its logits (sample/sampler.py `token_bias_vector`), so a step costs the same however long they are.
     token_bias: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        """The fields that differ from their defaults, long lists cut to their first entries: the server logs this
+        per request, and a 200k-entry allowed_token_ids would be a megabyte-long line."""
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            container = isinstance(value, (list, dict, set))
+            if not f.repr or (not value if container else value == f.default):
+                continue
+            text = repr(value)
+            if container and len(value) > REPR_ITEMS:
+                head = list(itertools.islice(value.items() if isinstance(value, dict) else value, REPR_ITEMS))
+                text = f"<{len(value)} entries, first {head}>"
+            shown.append(f"{f.name}={text}")
+        return f"SamplingParams({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         self._check_list_limits()  # first: the checks below walk the lists

@@ -74,3 +74,11 @@ def test_a_long_ban_list_costs_only_its_own_row(uploads):
     out = Sampler()(logits, meta(params, banned)).sampled_token_ids
     assert out[0] not in banned[0] and torch.equal(out[1:], logits[1:].argmax(-1))
     assert sum(uploads) < 3 * LONG, f"{sum(uploads)} values uploaded for {LONG} banned ids"
+
+
+def test_logged_params_show_long_lists_by_count_and_skip_defaults():
+    params = SamplingParams(max_tokens=5, temperature=0, allowed_token_ids=list(range(200_000)))
+    text = repr(params)
+    assert text == "SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=<200000 entries, first " \
+                   "[0, 1, 2, 3, 4, 5, 6, 7]>)"
+    assert repr(SamplingParams()) == "SamplingParams()"
