@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.model_executor.models.dspark.config import DSparkConfig, read_dspark_config
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.configs.dspark import DSparkConfig, read_dspark_config
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 from vllm.transformers_utils.generation_config import eos_token_ids, sampling_defaults
 
 MLA_BACKENDS = ("auto", "TORCH_MLA", "TRITON_MLA", "FLASHINFER_MLA")

@@ -10,7 +10,7 @@ from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler, SchedulerOutput
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.worker.input_batch import InputBatch

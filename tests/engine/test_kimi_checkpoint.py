@@ -7,7 +7,7 @@ from kimi_checkpoint import write_generation_config, write_kimi_checkpoint
 
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.checkpoint_errors import CheckpointError
+from vllm.transformers_utils.checkpoint_errors import CheckpointError
 
 GENERATION = {"temperature": 0.0, "max_new_tokens": 5, "eos_token_id": [305, 308]}  # [EOS], <|im_end|>
 

@@ -10,7 +10,7 @@ from code_prompts import CODE_PROMPTS
 from spec_helpers import ScriptedProposer
 
 from vllm import LLM, SamplingParams
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 from code_prompts import CODE_PROMPTS, heldout_code_ids
 from k3_reference import ref_logits
+from sequence_runner import SequenceRunner
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.sequence_runner import SequenceRunner
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
 PROMPTS = CODE_PROMPTS[:3]

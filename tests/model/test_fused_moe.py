@@ -15,9 +15,9 @@ import torch
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, grouped_topk, moe_align_block_size
 from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, pipelined_smem_bytes
 from vllm.model_executor.models.kimi_k3 import moe as moe_module
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.moe import KimiMoE, KimiRouter
 from vllm.tools.make_tiny_model import tiny_text_config
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                                         reason="CPU tensors run through the Triton interpreter")),

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_oracle import BASE, perturbed_hf_model, save_for_us
+from sequence_runner import SeqChunk, SequenceRunner
 
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.sequence_runner import SeqChunk, SequenceRunner
-
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

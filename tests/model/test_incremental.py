@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sequence_runner import SeqChunk, SequenceRunner
 
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.sequence_runner import SeqChunk, SequenceRunner
 from vllm.tools.make_tiny_model import write_tiny_model
-
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

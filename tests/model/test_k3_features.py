@@ -9,11 +9,11 @@ import pytest
 import torch
 from k3_reference import (lin, ref_attn_res, ref_dense_mlp, ref_gate, ref_kda_layer, ref_latent_moe, ref_mla_layer,
                           ref_route, rms, situ)
+from sequence_runner import SequenceRunner
 
 from vllm.attention.kda.ops import kda_gate
 from vllm.model_executor.layers.activation import situ_and_mul
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.sequence_runner import SequenceRunner
 from vllm.tools.make_tiny_model import random_state_dict, tiny_text_config, wrap_k3, write_checkpoint
 
 # A non-unit scale makes the routed_scaling_factor observable (the tool's default is 1.0).

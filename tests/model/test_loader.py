@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.model_executor.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, InconsistentLayersError,
-                                                   MissingTensorError, TensorShapeError, UnexpectedTensorError,
-                                                   UnknownModelTypeError)
 from vllm.model_executor.model_loader import load_config, load_model, resolve_dtype
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.tools.make_tiny_model import random_state_dict, tiny_text_config, wrap_k3, write_checkpoint
+from vllm.transformers_utils.checkpoint_errors import (CheckpointError, CheckpointNotFoundError,
+                                                       InconsistentLayersError, MissingTensorError, TensorShapeError,
+                                                       UnexpectedTensorError, UnknownModelTypeError)
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # a KDA layer in both tiny families
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 from code_prompts import CODE_PROMPTS
 from safetensors.torch import load_file, save_file
+from sequence_runner import SequenceRunner
 
 from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_DSPARK_DIR, DEFAULT_MODEL_DIR
-from vllm.model_executor.checkpoint_errors import MissingTensorError, UnexpectedTensorError
 from vllm.model_executor.dspark_loader import load_dspark_draft
 from vllm.model_executor.model_loader import load_config, load_model
-from vllm.model_executor.sequence_runner import SequenceRunner
 from vllm.tools.make_dspark_draft import write_dspark_draft
 from vllm.tools.make_tiny_model import write_tiny_model
+from vllm.transformers_utils.checkpoint_errors import MissingTensorError, UnexpectedTensorError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -258,7 +258,7 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
     from types import SimpleNamespace
 
     from vllm.engine import llm_engine
-    from vllm.spec_decode.adaptive import StepTimes
+    from vllm.spec_decode.adaptive_verification import StepTimes
     from vllm.worker.model_runner import AsyncModelRunnerOutput
 
     launched = []  # per step launched: (requests, target tokens, re-cut) if every row verified drafts, else None

@@ -11,10 +11,10 @@ from vllm import LLM, SamplingParams
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.model_executor.dspark_loader import load_dspark_draft
 from vllm.model_executor.model_loader import load_config, load_model
-from vllm.model_executor.models.dspark.config import DSparkConfig
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
 from vllm.tools import train_dspark
 from vllm.tools.make_dspark_draft import dspark_config_for, random_draft_state_dict
+from vllm.transformers_utils.configs.dspark import DSparkConfig
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
 

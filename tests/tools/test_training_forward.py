@@ -1,11 +1,11 @@
 """The trainer's differentiable forward equals the engine's logits on the same weights, and trains."""
 import pytest
 import torch
+from sequence_runner import SequenceRunner
 
 from vllm.attention.selector import reference_backends
 from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import KimiK3ForCausalLM
-from vllm.model_executor.sequence_runner import SequenceRunner
 from vllm.tools.make_tiny_model import write_tiny_model
 from vllm.tools.training_forward import training_logits
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vllm.model_executor.checkpoint_errors import CheckpointError
+from vllm.transformers_utils.checkpoint_errors import CheckpointError
 from vllm.transformers_utils.generation_config import eos_token_ids, read_generation_config, sampling_defaults
 
 

@@ -377,7 +377,7 @@ def test_a_step_scheduled_over_a_verify_step_in_flight_is_placed_on_the_device()
     from vllm.core.kv_cache_manager import KVCacheManager
     from vllm.core.request import Request
     from vllm.core.scheduler import Scheduler
-    from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
+    from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
     from vllm.worker.input_batch import InFlightStep, InputBatch
     K, bs = 3, 4
     kv = KVCacheManager(64, bs, 1 + 2 * (1 + K), needs_blocks=True, needs_slots=True, slots_per_request=1 + K)

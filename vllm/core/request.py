@@ -4,12 +4,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
+
+if TYPE_CHECKING:  # the scheduler's side imports no torch; the worker makes the generators
+    import torch
 
 
 class RequestStatus(enum.Enum):

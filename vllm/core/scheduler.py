@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.spec_decode.metrics import SpecDecodeStats
 
 

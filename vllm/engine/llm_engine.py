@@ -21,7 +21,7 @@ from vllm.inputs.validation import prompt_problem, text_problem
 from vllm.outputs import RequestOutput
 from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
 from vllm.sample.penalties import PenaltyCounts
-from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
+from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
 from vllm.sample.sampler import SamplingMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from vllm.model_executor.checkpoint_errors import MissingTensorError, UnexpectedTensorError
 from vllm.model_executor.model_loader import iter_checkpoint, weight_files
-from vllm.model_executor.models.dspark.config import read_dspark_config
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.checkpoint_errors import MissingTensorError, UnexpectedTensorError
+from vllm.transformers_utils.configs.dspark import read_dspark_config
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 logger = logging.getLogger(__name__)
 SHARED_WITH_TARGET = ("embed_tokens.", "model.embed_tokens.", "lm_head.")

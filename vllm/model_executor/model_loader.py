@@ -17,12 +17,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from vllm.model_executor.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
-                                                   TensorShapeError, UnexpectedTensorError)
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.attention.backend import HybridBackends
 from vllm.attention.selector import reference_backends
 from vllm.model_executor.models.kimi_k3.model import FP32_PARAM_SUFFIXES, KimiK3ForCausalLM
+from vllm.transformers_utils.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
+                                                       TensorShapeError, UnexpectedTensorError)
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 logger = logging.getLogger(__name__)
 

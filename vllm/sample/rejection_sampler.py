@@ -32,12 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.sample.sampler import SamplingMetadata, apply_min_p, apply_top_k_top_p, exponential_race
-
-PLACEHOLDER_TOKEN_ID = -1
-# A draft the DSpark drafter proposed on the device, scheduled before its id reached the host (never does): the
-# input batch copies it from the drafter's output into the step's device tokens.
-DEVICE_DRAFT_TOKEN_ID = -2
 
 
 @dataclass(slots=True)

@@ -14,9 +14,9 @@ import torch
 
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.model_executor.model_loader import load_config
-from vllm.model_executor.models.dspark.config import DSparkConfig
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
 from vllm.tools.make_tiny_model import write_checkpoint
+from vllm.transformers_utils.configs.dspark import DSparkConfig
 
 
 def dspark_config_for(target_dir: str | Path, num_layers: int = 2, **overrides) -> dict:

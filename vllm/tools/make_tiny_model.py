@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from vllm.attention.selector import reference_backends
 from vllm.model_executor.model_loader import INDEX_FILE, SINGLE_FILE
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.model import KimiK3ForCausalLM
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

@@ -28,11 +28,11 @@ from safetensors.torch import save_file
 
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.models.dspark.config import DSparkConfig
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
 from vllm.tools.make_dspark_draft import dspark_config_for, random_draft_state_dict
 from vllm.tools.train_model import lr_at, windows
 from vllm.tools.training_forward import training_logits
+from vllm.transformers_utils.configs.dspark import DSparkConfig
 
 CALIBRATION_BINS = 10
 

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from vllm.attention.selector import reference_backends
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.model import KimiK3ForCausalLM
 from vllm.tools.make_tiny_model import TOKENIZER_FILES, checkpoint_layout, wrap_k3, write_checkpoint
 from vllm.tools.training_forward import training_logits
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 
 def default_text_config(vocab_size: int) -> dict:

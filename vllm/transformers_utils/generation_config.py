@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vllm.model_executor.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from vllm.model_executor.checkpoint_errors import CheckpointError, CheckpointNotFoundError
+from vllm.transformers_utils.checkpoint_errors import CheckpointError, CheckpointNotFoundError
 
 
 def get_tokenizer(tokenizer_name: str | Path, *, tokenizer_mode: str = "auto", trust_remote_code: bool = False,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, greedy_verify
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
+from vllm.sample.rejection_sampler import greedy_verify
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.utils import async_tensor_h2d
 
 try:

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 
 if TYPE_CHECKING:
     from vllm.worker.in_flight_fill import FillSources, FillTargets

@@ -16,7 +16,7 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
-from vllm.sample.rejection_sampler import DEVICE_DRAFT_TOKEN_ID
+from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
 from vllm.utils import async_tensor_h2d
 from vllm.worker.in_flight_fill import FILL_FIELDS, AnchorKind, FillSources, FillTargets, fill_in_flight
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from vllm.model_executor.layers.activation import silu_and_mul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.dspark.config import DSparkConfig
+from vllm.transformers_utils.configs.dspark import DSparkConfig
 
 
 def rope_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNormGated
 from vllm.model_executor.layers.linear import merge_linear_weights
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 
 class ShortConvWeight(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 
 class KimiMLAAttention(nn.Module):

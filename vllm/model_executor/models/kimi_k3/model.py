@@ -14,10 +14,10 @@ from torch import nn
 from vllm.attention.backend import HybridAttentionMetadata, HybridBackends
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix, attn_res_stack
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
 from vllm.model_executor.models.kimi_k3.kda import KimiDeltaAttention
 from vllm.model_executor.models.kimi_k3.mla import KimiMLAAttention
 from vllm.model_executor.models.kimi_k3.moe import KimiMLP, KimiMoE
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 # Parameters kept in float32 whatever the model dtype: the gate and router math is done in float32.
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "gate.weight", "gate.e_score_correction_bias")

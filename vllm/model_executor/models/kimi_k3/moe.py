@@ -10,7 +10,7 @@ from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported, grouped_topk
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import merge_linear_weights
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 
 def gated_activation(config: KimiK3TextConfig):

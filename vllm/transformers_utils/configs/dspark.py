@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm.model_executor.models.kimi_k3.config import KimiK3TextConfig
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 # Keys a DSpark config.json must carry; everything else has the default below.
 REQUIRED_KEYS = ("target_layer_ids", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

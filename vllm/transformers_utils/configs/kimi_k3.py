@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.model_executor.checkpoint_errors import CheckpointError, InconsistentLayersError, UnknownModelTypeError
+from vllm.transformers_utils.checkpoint_errors import CheckpointError, InconsistentLayersError, UnknownModelTypeError
 
 logger = logging.getLogger(__name__)
 
