@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import torch
 from bench_common import metadata, per_call_us, stats, write_json
 
-from vllm.spec_decode.adaptive import (MIN_PERIOD_SAMPLES, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                       VerifyCosts)
+from vllm.spec_decode.adaptive_verification import AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes, VerifyCosts
+from vllm.spec_decode.adaptive_verification.step_times import MIN_PERIOD_SAMPLES
 
 
 def host_us(fn, iters: int, repeats: int) -> dict:

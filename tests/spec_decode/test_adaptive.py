@@ -1,15 +1,16 @@
-"""Adaptive verification's budget (vllm/spec_decode/adaptive.py): the cost curves, b*, the host's even split and
-the device's survival split, against hand-computed cases."""
+"""Adaptive verification's budget (vllm/spec_decode/adaptive_verification/): the cost curves, b*, the host's even
+split and the device's survival split, against hand-computed cases."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from vllm.spec_decode import adaptive
-from vllm.spec_decode.adaptive import (AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                       SurvivalCalibration, SurvivalPrediction, VerifyCosts, choose_budget,
-                                       device_split, even_split)
+from vllm.spec_decode.adaptive_verification import (AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
+                                                    SurvivalCalibration, SurvivalPrediction, VerifyCosts,
+                                                    choose_budget, device_split, even_split)
+from vllm.spec_decode.adaptive_verification import calibration as calibration_module
+from vllm.spec_decode.adaptive_verification import step_times as step_times_module
 
 
 def _flat_draft():
@@ -174,13 +175,13 @@ def test_a_trimmed_budget_waits_for_a_recent_measurement_of_the_untrimmed_step()
     times = StepTimes(False, steep.verify.padded)
     verifier = AdaptiveVerifier(conf, steep, 1024, times)
     full, trimmed = (2, 8, False), (2, 3, True)
-    for _ in range(adaptive.MIN_PERIOD_SAMPLES):
+    for _ in range(step_times_module.MIN_PERIOD_SAMPLES):
         assert verifier(step, None) is None and verifier.last_budget == 6  # every draft: the untrimmed shape
         times.record(50.0, 49.0, full)
-    for _ in range(adaptive.REFRESH_STEPS):
+    for _ in range(step_times_module.REFRESH_STEPS):
         assert verifier(step, None) is not None and verifier.last_budget == 1
         times.record(2.0, 1.0, trimmed)
-    assert verifier(step, None) is None and verifier.num_refreshed == adaptive.MIN_PERIOD_SAMPLES + 1
+    assert verifier(step, None) is None and verifier.num_refreshed == step_times_module.MIN_PERIOD_SAMPLES + 1
     times.record(50.0, 49.0, full)
     assert verifier(step, None) is not None and verifier.last_budget == 1
     # Without measurements (off CUDA) the tables alone decide, at once.
@@ -384,7 +385,7 @@ def test_a_host_bound_step_keeps_every_draft_without_reading_the_confidences():
     conf.update(["a", "b"], torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.2, 0.1]]))
     for host, overlapped in ((1.0, True), (50.0, False)):
         times = StepTimes(overlapped, steep.verify.padded)
-        for _ in range(adaptive.MIN_PERIOD_SAMPLES):  # the untrimmed step, freshly measured
+        for _ in range(step_times_module.MIN_PERIOD_SAMPLES):  # the untrimmed step, freshly measured
             times.record(host + 50.0, 50.0, (2, 8, False))
         host_lens, device_lens = AdaptiveVerifier(conf, steep, 1024, times)(step, None)
         assert sum(host_lens) == int(device_lens.sum()) < 8
@@ -445,8 +446,8 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     accepted = np.array([3] * 30 + [2] * 15 + [1] * 25 + [0] * 30)
     cal.observe(_prediction(np.tile([0.5, 0.25, 0.125], (100, 1))), accepted.tolist())
     cal.fold()  # (outcomes queue until CALIBRATION_BATCH_ROWS rows)
-    keep = (1 - 1 / adaptive.CALIBRATION_ROWS) ** 100
-    prior = adaptive.CALIBRATION_PRIOR
+    keep = (1 - 1 / calibration_module.CALIBRATION_ROWS) ** 100
+    prior = calibration_module.CALIBRATION_PRIOR
     assert cal.scale == pytest.approx([(70 + prior) / (50 + prior), (45 + prior) / (25 + prior),
                                        (30 + prior) / (12.5 + prior)])
     assert cal.num_rows == 100
@@ -467,7 +468,7 @@ def test_calibration_scales_each_position_by_what_was_accepted_against_what_was_
     assert cal.num_rows == 0 and cal.version == 0  # queued: fewer than CALIBRATION_BATCH_ROWS rows
     cal.fold()
     # ... and folded by themselves once that many rows have come (of which 2 in 3 count).
-    steps = -(-adaptive.CALIBRATION_BATCH_ROWS // 3)
+    steps = -(-calibration_module.CALIBRATION_BATCH_ROWS // 3)
     for _ in range(steps):
         assert cal.version == 1
         cal.observe(prediction, [2, 1, 0])
@@ -523,7 +524,7 @@ def test_calibration_from_re_cut_steps_finds_the_heads_bias(monkeypatch):
     """Every position accepted at 1.5x the head's confidence, each row verified up to a cap chosen by its
     confidences (as the device's top-b* does): the ratios find 1.5, 1.5^2 and 1.5^3, though most rows are capped
     before the last position. Counting the slots past a cap where the row failed before it would not."""
-    monkeypatch.setattr(adaptive, "CALIBRATION_ROWS", float("inf"))  # every row counts: sampling noise alone
+    monkeypatch.setattr(calibration_module, "CALIBRATION_ROWS", float("inf"))  # every row counts: sampling noise alone
     rng = np.random.default_rng(0)
     cal = SurvivalCalibration(3)
     for _ in range(40):

@@ -126,7 +126,7 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     confidences, the host's even split against the device's survival split (host [3, 3] against device [4, 2]
     or [2, 4] once the budget is 4 for two rows of three drafts), and greedy output equal to no speculation;
     also with async scheduling, where the next step is re-cut before the host has the last one's tokens."""
-    from vllm.spec_decode import adaptive
+    from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
@@ -142,7 +142,7 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
         return min(4, len(survivals))
 
     choose = adaptive.choose_budget
-    monkeypatch.setattr(adaptive, "choose_budget", fixed_budget)
+    monkeypatch.setattr(adaptive.verifier, "choose_budget", fixed_budget)  # where the hook reads it
     monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)  # (GPU) no untrimmed re-measures
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     # On a GPU adaptive verification runs in CUDA graphs (its start-up gate); on the CPU eagerly.
@@ -197,7 +197,7 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     from types import SimpleNamespace
 
     from vllm.engine import llm_engine
-    from vllm.spec_decode import adaptive
+    from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
     from vllm.worker.model_runner import AsyncModelRunnerOutput
@@ -207,7 +207,7 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
-    monkeypatch.setattr(adaptive, "REFRESH_STEPS", 5)
+    monkeypatch.setattr(adaptive.step_times, "REFRESH_STEPS", 5)
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
     llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), async_scheduling=True,
@@ -219,8 +219,9 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     # profiled ones time the interpreter, whose seconds vary with the machine's load, and a shape not measured
     # yet takes its table cost (the full suite on 2 cores once made a budget keep every draft by itself).
     real = verifier.costs.verify
-    verifier.costs = adaptive.VerifyCosts(adaptive.CostCurve.from_samples({1: [0.0]}, 1), adaptive.CostCurve.from_samples(
-        {int(n): [float(n)] for n in real.sizes}, real.max_captured))
+    verifier.costs = adaptive.VerifyCosts(adaptive.CostCurve.from_samples({1: [0.0]}, 1),
+                                          adaptive.CostCurve.from_samples({int(n): [float(n)] for n in real.sizes},
+                                                                          real.max_captured))
     # Off CUDA the runner keeps no step times: these, on the fake clock, stand in for the ones a GPU records.
     runner.step_times = verifier.times = adaptive.StepTimes(True, verifier.costs.verify.padded)
     clock = [0.0]
@@ -253,8 +254,8 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
                                 else len(kept) >= verifier.num_refreshed), trims
     # Three steps measure each number of requests' untrimmed shape, then one in every 5 periods re-measures it
     # (with graphs some of those are the budget's own choice, which need no re-measure).
-    assert len(kept) >= adaptive.MIN_PERIOD_SAMPLES + 1
-    assert verifier.num_refreshed <= 2 * adaptive.MIN_PERIOD_SAMPLES + len(trims) // 4
+    assert len(kept) >= adaptive.step_times.MIN_PERIOD_SAMPLES + 1
+    assert verifier.num_refreshed <= 2 * adaptive.step_times.MIN_PERIOD_SAMPLES + len(trims) // 4
     full = f"2x{times.graph_tokens(2 + 2 * 3)}"
     assert times.summary_ms()[full] == pytest.approx(1e3 * (2 + 2 * 3))
     # The trimmed steps were recorded apart, as re-cut steps. Eagerly their budget is 0 (a row's current token
@@ -272,7 +273,7 @@ def test_every_all_verify_step_calibrates_the_survivals_with_what_each_row_accep
     verifications (one request: every verify step is an all-verify step, and its prefill step drafted, so the
     host always has its confidences). With every other step re-cut on the device to one draft, those steps
     count that slot alone: the runner hands the device's row lengths to their predictions."""
-    from vllm.spec_decode import adaptive
+    from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
@@ -281,9 +282,9 @@ def test_every_all_verify_step_calibrates_the_survivals_with_what_each_row_accep
     want = _llm(model_dir, graph_backends).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     budgets = itertools.count()
-    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: 1 if re_cut and next(budgets) % 2
+    monkeypatch.setattr(adaptive.verifier, "choose_budget", lambda survivals, *a, **k: 1 if re_cut and next(budgets) % 2
                         else len(survivals))
-    monkeypatch.setattr(adaptive, "CALIBRATION_ROWS", float("inf"))  # nothing forgotten: exact counts
+    monkeypatch.setattr(adaptive.calibration, "CALIBRATION_ROWS", float("inf"))  # nothing forgotten: exact counts
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
     llm = _llm(model_dir, graph_backends, **(graphs if torch.cuda.is_available() else {}), async_scheduling=True,
@@ -323,7 +324,7 @@ def test_adaptive_verification_is_lossless_under_chunking_preemption_and_aborts(
     its drafts (the budget is forced, so that both kinds of step meet the rest): chunked prefills, a cache too
     small for every request at once (preemption), then two requests aborted mid-run. Greedy output equals no
     speculation's, the steps calibrate, and no block is leaked."""
-    from vllm.spec_decode import adaptive
+    from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
     from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
@@ -334,8 +335,8 @@ def test_adaptive_verification_is_lossless_under_chunking_preemption_and_aborts(
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     budgets = itertools.count()
-    monkeypatch.setattr(adaptive, "choose_budget", lambda survivals, *a, **k: len(survivals) // 2 if next(budgets) % 2
-                        else len(survivals))
+    monkeypatch.setattr(adaptive.verifier, "choose_budget",
+                        lambda survivals, *a, **k: len(survivals) // 2 if next(budgets) % 2 else len(survivals))
     monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)  # (GPU) no untrimmed re-measures
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}

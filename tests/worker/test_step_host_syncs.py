@@ -44,8 +44,8 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, 
     replaced), so the trim path (the device split, InputBatch.trim_on_device) is checked too: left to its costs
     a host-bound step keeps every draft and never trims, and a stale measurement of the untrimmed step keeps them
     too."""
-    from vllm.spec_decode import adaptive as adaptive_module
-    monkeypatch.setattr(adaptive_module, "choose_budget", lambda survivals, *a, **kw: len(survivals) // 2)
+    from vllm.spec_decode import adaptive_verification as adaptive_module
+    monkeypatch.setattr(adaptive_module.verifier, "choose_budget", lambda survivals, *a, **kw: len(survivals) // 2)
     monkeypatch.setattr(adaptive_module.StepTimes, "stale", lambda self, *a: False)  # no untrimmed re-measures
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=5)
     spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 3,

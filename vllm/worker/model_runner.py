@@ -26,8 +26,8 @@ from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from vllm.spec_decode.adaptive import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences, StepTimes,
-                                        SurvivalPrediction, VerifyCosts, recut_lengths)
+from vllm.spec_decode.adaptive_verification import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences,
+                                                    StepTimes, SurvivalPrediction, VerifyCosts, recut_lengths)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
