@@ -128,7 +128,6 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     also with async scheduling, where the next step is re-cut before the host has the last one's tokens."""
     from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
-    from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
     gen = torch.Generator().manual_seed(4)
     batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (7, 12)]
@@ -144,7 +143,7 @@ def test_adaptive_verification_with_dspark_is_lossless_and_recuts_on_the_device(
     choose = adaptive.choose_budget
     monkeypatch.setattr(adaptive.verifier, "choose_budget", fixed_budget)  # where the hook reads it
     monkeypatch.setattr(adaptive.StepTimes, "stale", lambda self, *a: False)  # (GPU) no untrimmed re-measures
-    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive.profile, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     # On a GPU adaptive verification runs in CUDA graphs (its start-up gate); on the CPU eagerly.
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
@@ -199,14 +198,13 @@ def test_adaptive_verification_trims_by_measured_periods_and_remeasures_the_untr
     from vllm.engine import llm_engine
     from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
-    from vllm.worker import model_runner
     from vllm.worker.model_runner import AsyncModelRunnerOutput
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
     gen = torch.Generator().manual_seed(5)
     batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (9, 6)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
-    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive.profile, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     monkeypatch.setattr(adaptive.step_times, "REFRESH_STEPS", 5)
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                              "cudagraph_capture_sizes": [4, 8]}}
@@ -275,12 +273,11 @@ def test_every_all_verify_step_calibrates_the_survivals_with_what_each_row_accep
     count that slot alone: the runner hands the device's row lengths to their predictions."""
     from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
-    from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
     prompt = {"prompt_token_ids": torch.randint(5, 250, (11,), generator=torch.Generator().manual_seed(6)).tolist()}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = _llm(model_dir, graph_backends).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive.profile, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     budgets = itertools.count()
     monkeypatch.setattr(adaptive.verifier, "choose_budget", lambda survivals, *a, **k: 1 if re_cut and next(budgets) % 2
                         else len(survivals))
@@ -326,14 +323,13 @@ def test_adaptive_verification_is_lossless_under_chunking_preemption_and_aborts(
     speculation's, the steps calibrate, and no block is leaked."""
     from vllm.spec_decode import adaptive_verification as adaptive
     from vllm.tools.make_dspark_draft import write_dspark_draft
-    from vllm.worker import model_runner
     draft = write_dspark_draft(tmp_path / "draft", target_dir=model_dir, seed=3)
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (9, 40, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
-    monkeypatch.setattr(model_runner, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
+    monkeypatch.setattr(adaptive.profile, "COST_PROFILE_REPEATS", 1)  # the interpreter: ~1 s per dummy step
     budgets = itertools.count()
     monkeypatch.setattr(adaptive.verifier, "choose_budget",
                         lambda survivals, *a, **k: len(survivals) // 2 if next(budgets) % 2 else len(survivals))

@@ -26,8 +26,8 @@ from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
 from vllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from vllm.spec_decode.adaptive_verification import (MIN_VERIFY_COST, AdaptiveVerifier, CostCurve, DraftConfidences,
-                                                    StepTimes, SurvivalPrediction, VerifyCosts, recut_lengths)
+from vllm.spec_decode.adaptive_verification import (AdaptiveVerifier, CostProfile, DraftConfidences, ProfileBatch,
+                                                    ProfileTimings, StepTimes, SurvivalPrediction, VerifyCosts)
 from vllm.spec_decode.dspark import DraftGraphKey, DSparkProposer
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
 from vllm.worker.cache_sizing import CacheLayout, plan_cache
@@ -43,8 +43,6 @@ logger = logging.getLogger(__name__)
 # The graph pool measured on the largest graph, with room for the other graphs' executable state.
 GRAPH_MEMORY_MARGIN = 1.2
 GRAPH_MEMORY_SLACK_BYTES = 64 << 20
-# Timings per size behind adaptive verification's cost tables (the median is kept).
-COST_PROFILE_REPEATS = 5
 
 
 # (scheduled step, its metadata) -> (row lengths the host shows, device int32 row lengths the kernels run), or
@@ -414,59 +412,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_step_costs(self, descs: list[BatchDescriptor]) -> VerifyCosts:
-        """Adaptive verification's cost tables, from dummy steps: the verify step by target tokens (each captured
-        size, replayed where a graph exists, then 1.5x the largest and doubling up to the token budget), the
-        draft and a device re-cut by requests; the median of COST_PROFILE_REPEATS timings of each."""
-        repeats = COST_PROFILE_REPEATS
+        """Adaptive verification's cost tables: the package says which dummy steps to time and folds the
+        timings (CostProfile); here each runs: its forward, the draft over its requests, and its re-cut."""
         sc = self.config.scheduler_config
-        per_req = 1 + self.num_spec
-        top = min(sc.max_num_seqs * per_req, sc.max_num_batched_tokens)
-        captured = sorted({d.num_tokens for d in descs})
-        sizes = captured or sorted({min(2 ** i, top) for i in range(top.bit_length() + 1)})
-        size = int(sizes[-1] * 1.5)
-        while size <= sc.max_num_batched_tokens and size // per_req <= sc.max_num_seqs:
-            sizes.append(size)
-            size *= 2
-        context = max(1, min(sc.max_model_len - per_req, 1024))
-        verify, draft, recut = {}, {}, {}
-        for n_tokens in sizes:
-            common, _, run = self.dummy_decode_step(n_tokens, context)
-            n_reqs = common.num_reqs
-            verify[n_tokens] = self._timed(run, repeats)
-            zeros = torch.zeros(n_reqs, dtype=torch.int64, device=self.device)
-            draft[n_reqs] = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:n_reqs],
-                                                                     context, with_confidence=True), repeats)
-            recut[n_reqs] = self._timed_recut(n_tokens, context, repeats)
-        max_captured = captured[-1] if captured else 0
-        costs = VerifyCosts(CostCurve.from_samples(draft, max_captured // per_req),
-                            CostCurve.from_samples(verify, max_captured, floor=MIN_VERIFY_COST),
-                            CostCurve.from_samples(recut, max_captured // per_req))
-        logger.info("adaptive verification cost tables (ms): verify %s, draft %s, re-cut %s",
-                    *({n: round(curve(n) * 1e3, 3) for n in samples}
-                      for curve, samples in ((costs.verify, verify), (costs.draft, draft), (costs.recut, recut))))
-        return costs
+        profile = CostProfile(self.num_spec, sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len,
+                              sorted({d.num_tokens for d in descs}))
+        samples = []
+        for batch in profile.batches_to_profile():
+            common, _, run = self.dummy_decode_step(batch.num_tokens, batch.context)
+            verify = self._timed(run, profile.repeats)
+            zeros = torch.zeros(batch.num_reqs, dtype=torch.int64, device=self.device)
+            draft = self._timed(lambda: self.drafter.propose(zeros, zeros, common.block_table[:batch.num_reqs],
+                                                             batch.context, with_confidence=True), profile.repeats)
+            samples.append((batch, ProfileTimings(verify, draft, self._timed_recut(profile, batch))))
+        return profile.set_initial_cost_curves(samples)
 
-    def _timed_recut(self, num_tokens: int, context: int, repeats: int) -> list[float]:
-        """Timings of what a trimmed step runs besides its graph, as execute_model runs it, on the dummy step of
-        `num_tokens` (dummy_decode_step) cut to half its drafts: the host's even split, the device's split over
-        random confidences, the re-cut of the step's inputs and the copy of its row lengths. Each on a fresh
-        dummy step (the re-cut shortens its rows), after one untimed run."""
-        K, per_req = self.num_spec, 1 + self.num_spec
-        n_reqs = -(-num_tokens // per_req)
-        num_drafts = [K] * (n_reqs - 1) + [num_tokens - per_req * (n_reqs - 1) - 1]
-        budget = sum(num_drafts) // 2
-        confidence = torch.rand(n_reqs, K, device=self.device)
-        drafts = torch.tensor(num_drafts, dtype=torch.int64, device=self.device)
-        scale = torch.ones(K, device=self.device)
+    def _timed_recut(self, profile: CostProfile, batch: ProfileBatch) -> list[float]:
+        """Timings of what a trimmed step runs besides its graph, as execute_model runs it: the package's re-cut
+        of the batch, the input batch's trim and the copy of its row lengths. Each on a fresh dummy step (the
+        re-cut shortens its rows), after one untimed run."""
+        recut = profile.recut_dummy(batch, self.device)
 
-        def recut(common: CommonAttentionMetadata) -> None:
-            host, device_lens = recut_lengths(budget, num_drafts, confidence, drafts, scale)
+        def run(common: CommonAttentionMetadata) -> None:
+            host, device_lens = recut.lengths()
             self.input_batch.trim_on_device(common, host, device_lens)
             async_tensor_d2h(device_lens)
         times = []
-        for _ in range(repeats + 1):
-            common, _, _ = self.dummy_decode_step(num_tokens, context)
-            times += self._timed(functools.partial(recut, common), 1)
+        for _ in range(profile.repeats + 1):
+            common, _, _ = self.dummy_decode_step(batch.num_tokens, batch.context)
+            times += self._timed(functools.partial(run, common), 1)
         return times[1:]
 
     def dummy_decode_step(self, num_tokens: int, context: int

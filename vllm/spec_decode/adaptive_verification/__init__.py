@@ -8,15 +8,17 @@ in total.
 
 One concept a file: costs (profiled cost curves), budget (b* and the two splits), calibration (survivals
 against what was accepted), step_times (what the engine measured), confidences (the drafter's, on both sides),
-verifier (the device-trim hook). Tunables are module constants of the file that reads them.
+verifier (the device-trim hook), profile (which dummy steps to time at start-up, and how their timings fold into
+the cost curves; the runner runs them). Tunables are module constants of the file that reads them.
 """
 from vllm.spec_decode.adaptive_verification.budget import choose_budget, device_split, even_split, recut_lengths
 from vllm.spec_decode.adaptive_verification.calibration import SurvivalCalibration, SurvivalPrediction
 from vllm.spec_decode.adaptive_verification.confidences import DraftConfidences
 from vllm.spec_decode.adaptive_verification.costs import MIN_VERIFY_COST, CostCurve, VerifyCosts
+from vllm.spec_decode.adaptive_verification.profile import CostProfile, ProfileBatch, ProfileTimings, RecutDummy
 from vllm.spec_decode.adaptive_verification.step_times import MeasuredShape, StepTimes
 from vllm.spec_decode.adaptive_verification.verifier import AdaptiveVerifier
 
-__all__ = ["MIN_VERIFY_COST", "AdaptiveVerifier", "CostCurve", "DraftConfidences", "MeasuredShape", "StepTimes",
-           "SurvivalCalibration", "SurvivalPrediction", "VerifyCosts", "choose_budget", "device_split", "even_split",
-           "recut_lengths"]
+__all__ = ["MIN_VERIFY_COST", "AdaptiveVerifier", "CostCurve", "CostProfile", "DraftConfidences", "MeasuredShape",
+           "ProfileBatch", "ProfileTimings", "RecutDummy", "StepTimes", "SurvivalCalibration", "SurvivalPrediction",
+           "VerifyCosts", "choose_budget", "device_split", "even_split", "recut_lengths"]

@@ -141,4 +141,3 @@ class StepTimes:
             ends = np.append(starts[1:], num_budgets)
             spans = self._spans[key] = {int(g): slice(int(a), int(b)) for g, a, b in zip(sizes, starts, ends)}
         return spans
-
