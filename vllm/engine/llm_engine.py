@@ -74,9 +74,9 @@ class LLMEngine:
         self.last_scheduled: SchedulerOutput | None = None  # the latest step launched: what a slow step ran
         self.last_launched: AsyncModelRunnerOutput | None = None  # its device outputs, which the next step reads
         self.history_bans: list[Request] = []  # unfinished requests with bad words of several tokens
-        # Adaptive verification's step times (runner.step_times): when the last step started, if every row of it
-        # verified drafts; how long it waited for the device; and (requests, tokens, re-cut) of the all-verify
-        # step it waited for, if it waited for one.
+        # Adaptive verification's step periods (runner.record_step_period): when the last step started, if every
+        # row of it verified drafts; how long it waited for the device; and (requests, tokens, re-cut) of the
+        # all-verify step it waited for, if it waited for one.
         self._verify_step_start: float | None = None
         self._waited = 0.0
         self._drained_shape: tuple[int, int, bool] | None = None
@@ -186,12 +186,12 @@ class LLMEngine:
         outputs of the step before, processed while this one runs on the device; its tokens reach the host one
         step late, so a request that stops has one more token computed and dropped."""
         start = time.perf_counter()
-        if self._verify_step_start is not None and self.runner.step_times is not None:
+        if self._verify_step_start is not None:
             # The loop's period from the last all-verify step to this one: less its waits for the device, the
             # host's work per step, including what the caller does between steps (the engine core process packs
             # and sends each step's outputs); whole, the cost of the step it waited for. Only timed when that
             # step left work, so no idle time falls in it.
-            self.runner.step_times.record(start - self._verify_step_start, self._waited, self._drained_shape)
+            self.runner.record_step_period(start - self._verify_step_start, self._waited, self._drained_shape)
         self._verify_step_start, self._waited, self._drained_shape = None, 0.0, None
         outputs = []
         if self.in_flight is not None and (self.scheduler.suspect is not None or self._needs_history()):
@@ -220,8 +220,7 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self._take_device_drafts(launched)
         # Every row verified drafts (the steps adaptive verification plans): timed up to the next step.
-        if self.runner.step_times is not None and len(launched.verify_rows) == len(rows) \
-                and self.has_unfinished_requests():
+        if len(launched.verify_rows) == len(rows) and self.has_unfinished_requests():
             self._verify_step_start = start
         return outputs
 
@@ -243,9 +242,7 @@ class LLMEngine:
         self._waited += launched.waited
         self._drained_shape = (len(sched.scheduled), launched.num_tokens, launched.recut) \
             if len(launched.verify_rows) == len(sched.scheduled) else None
-        if launched.survival_prediction is not None:  # an all-verify step: its acceptance calibrates the budget
-            self.runner.adaptive_verifier.observe(launched.survival_prediction,
-                                                  [len(result.sampled[rid]) - 1 for rid in launched.verify_rows])
+        self.runner.observe_acceptance(launched, result)
         return self._process_step(sched, result)
 
     def _process_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
@@ -330,11 +327,9 @@ class LLMEngine:
     def spec_decode_stats(self) -> SpecDecodeStats | None:
         """Engine-wide speculative-decoding counters since start (None without speculation), with adaptive
         verification's own where it runs."""
-        stats, adaptive = self.scheduler.spec_stats, self.runner.adaptive_verifier
-        if stats is None or adaptive is None:
-            return stats
-        return dataclasses.replace(stats, num_unverified_draft_tokens=adaptive.num_offered - adaptive.num_kept,
-                                   num_remeasure_steps=adaptive.num_refreshed)
+        stats = self.scheduler.spec_stats
+        adaptive = self.runner.adaptive_stats() if stats is not None else None
+        return stats if adaptive is None else dataclasses.replace(stats, **adaptive)
 
     def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None,
                            kind: str) -> SamplingMetadata | None:

@@ -206,6 +206,29 @@ class ModelRunner:
                              f"the device offsets; {', '.join(unable)} read the host copies")
         self.device_trim_hook = hook
 
+    # Adaptive verification as the engine sees it: it hands over its loop's periods and the steps' outcomes, and
+    # reads counters; the verifier, the step times and the confidences stay here.
+    def record_step_period(self, period: float, waited: float, drained: tuple[int, int, bool] | None) -> None:
+        """The engine loop's period (seconds) from an all-verify step to the next, its waits for the device, and
+        the all-verify step it waited for (StepTimes.record). Kept only where step times are (on CUDA)."""
+        if self.step_times is not None:
+            self.step_times.record(period, waited, drained)
+
+    def observe_acceptance(self, launched: AsyncModelRunnerOutput, output: ModelRunnerOutput) -> None:
+        """What a landed step's verify rows accepted, which calibrates the survivals its budget read (only an
+        all-verify step whose survivals were read carries a prediction)."""
+        if launched.survival_prediction is not None:
+            self.adaptive_verifier.observe(launched.survival_prediction,
+                                           [len(output.sampled[rid]) - 1 for rid in launched.verify_rows])
+
+    def adaptive_stats(self) -> dict[str, int] | None:
+        """Adaptive verification's SpecDecodeStats fields since start; None where it does not run."""
+        verifier = self.adaptive_verifier
+        if verifier is None:
+            return None
+        return {"num_unverified_draft_tokens": verifier.num_offered - verifier.num_kept,
+                "num_remeasure_steps": verifier.num_refreshed}
+
     def _cudagraph_mode(self) -> CUDAGraphMode:
         """The asked-for graph mode, lowered (with the reason logged) to what the backends can replay."""
         cc = self.config.compilation_config
