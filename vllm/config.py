@@ -146,7 +146,7 @@ class SpeculativeConfig:
     dspark: a DSpark draft checkpoint (`model`, a directory) drafts K tokens per decoding request on the device,
     from the target's hidden states (docs/spec_decode.md). draft_sample_method "greedy" (argmax drafts: exact under
     the rejection sampler for greedy and random requests alike). enable_adaptive_verification: each all-verify
-    step verifies only the draft tokens worth their cost (vllm/spec_decode/adaptive.py).
+    step verifies only the draft tokens worth their cost (vllm/spec_decode/adaptive_verification/).
     """
     method: str
     num_speculative_tokens: int
