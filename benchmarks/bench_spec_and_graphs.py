@@ -135,7 +135,7 @@ def main() -> None:
             for name, s in (("plain", None), ("ngram", spec), ("oracle", spec)):
                 llm = make_llm(args, path, not args.enforce_eager, s, max(c, 1))
                 if name == "oracle":
-                    llm.llm_engine.proposer = OracleProposer(prompts, outs["plain"], args.num_spec)
+                    llm.llm_engine.runner.drafting.ngram = OracleProposer(prompts, outs["plain"], args.num_spec)
                 llm.generate(prompts, params, use_tqdm=False)  # warm-up
                 times = []
                 for _ in range(args.repeats):

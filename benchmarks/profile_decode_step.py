@@ -88,15 +88,15 @@ def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
     for _ in range(8):  # prefill, then warm decode steps
         engine.step()
     runner, replayed = engine.runner, []
-    pick = runner._graph_for
-    runner._graph_for = lambda common: replayed.append(pick(common)) or replayed[-1]
+    pick = runner.graphs.graph_for
+    runner.graphs.graph_for = lambda common: replayed.append(pick(common)) or replayed[-1]
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         sync(device)
-    runner._graph_for = pick
+    del runner.graphs.graph_for  # the class's method again
     print(f"=== batch {batch}: replayed {replayed[-1]}")
     report(prof, steps, rows, device)
     runs = []

@@ -46,11 +46,12 @@ def count_step_paths(runner) -> tuple[collections.Counter, set]:
             return fn(*a, **kw)
         return wrapper
 
-    if runner.graphs is not None:
-        runner.graphs.replay = counted(lambda key: replayed.add(key) or f"graph {key}", runner.graphs.replay)
-    runner._forward = counted(lambda T, common: "eager", runner._forward)
-    if runner.piecewise is not None:
-        runner.piecewise.run = counted(lambda T, meta: "piecewise", runner.piecewise.run)
+    graphs = runner.graphs
+    if graphs.captured is not None:
+        graphs.captured.replay = counted(lambda key: replayed.add(key) or f"graph {key}", graphs.captured.replay)
+    graphs.forward = counted(lambda T, common: "eager", graphs.forward)  # the eager path of a step
+    if graphs.piecewise is not None:
+        graphs.piecewise.run = counted(lambda T, meta: "piecewise", graphs.piecewise.run)
     return paths, replayed
 
 
@@ -64,10 +65,10 @@ def time_graph_replays(graphs, keys, repeats: int = 200) -> dict[str, float]:
 
 # (owner path from the engine, method): the engine loop's phases, timed per step; nested phases are inside their
 # parents' times (execute_model holds prepare, replay, verify and draft; process_step holds the rest).
-PHASES = [("scheduler", "schedule"), ("", "_sampling_metadata"), ("runner", "execute_model"),
-          ("runner.input_batch", "prepare"), ("runner", "_graph_for"), ("runner.graphs", "replay"),
-          ("runner", "_verify"), ("runner", "_draft"), ("", "_process_step"), ("scheduler", "update_from_output"),
-          ("output_processor", "process"), ("", "_take_device_drafts")]
+PHASES = [("scheduler", "schedule"), ("runner", "execute_model"), ("runner.sampling", "metadata"),
+          ("runner.input_batch", "prepare"), ("runner.graphs", "graph_for"), ("runner.graphs.captured", "replay"),
+          ("runner.sample_step", "_verify"), ("runner.drafting", "draft_on_device"), ("", "_process_step"),
+          ("scheduler", "update_from_output"), ("output_processor", "process"), ("runner", "propose_drafts")]
 
 
 def patch_engine(engine, methods: list[tuple[str, str]], wrap, wrap_get_output) -> Callable[[], None]:
@@ -119,8 +120,8 @@ def time_phases(engine) -> tuple[dict[str, float], Callable[[], None]]:
 
 # Where the device timeline is marked: a CUDA event recorded (and the host clock read) as the host enters (">")
 # and leaves ("<") each of these; replays are told apart by their key's type (the target's or the draft's graph).
-TIMELINE_MARKS = [("runner", "execute_model"), ("runner.input_batch", "prepare"), ("runner.graphs", "replay"),
-                  ("runner", "_draft")]
+TIMELINE_MARKS = [("runner", "execute_model"), ("runner.input_batch", "prepare"),
+                  ("runner.graphs.captured", "replay"), ("runner.drafting", "draft_on_device")]
 
 
 def mark_timeline(engine) -> tuple[list[tuple[str, torch.cuda.Event, float]], Callable[[], None]]:
@@ -227,7 +228,7 @@ def main() -> None:
     timed_wall = time.perf_counter() - t0
     undo()
     print(f"host phases, ms per step (one timed run: {timed_wall / steps * 1e3:.3f} ms per step with timers):")
-    top = ("scheduler.schedule", "_sampling_metadata", "runner.execute_model", "wait for the device", "_process_step")
+    top = ("scheduler.schedule", "runner.execute_model", "wait for the device", "_process_step")
     totals["other (the step's wall less the phases above it)"] = timed_wall - sum(totals[n] for n in top)
     for name, total in totals.items():
         print(f"  {name:50s} {total / steps * 1e3:8.3f}")
@@ -251,9 +252,9 @@ def main() -> None:
     print(f"{len(kernels) / steps:.1f} device kernels per step, "
           f"{sum(e.device_time for e in kernels) / steps / 1e3:.3f} ms device time per step")
     print(p.key_averages().table(sort_by="device_time_total", row_limit=args.top))
-    if runner.graphs is not None and args.device == "cuda":
+    if runner.graphs.captured is not None and args.device == "cuda":
         print("device time per graph replay, back to back (us):")
-        for key, us in time_graph_replays(runner.graphs, replayed).items():
+        for key, us in time_graph_replays(runner.graphs.captured, replayed).items():
             print(f"  {key:90s} {us:8.1f}")
 
 

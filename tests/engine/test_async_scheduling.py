@@ -163,7 +163,7 @@ def test_penalties_min_tokens_logprobs_and_seeds_are_identical(engines):
     want = full(sync.generate(batch, params, use_tqdm=False))
     assert full(overlap.generate(batch, params, use_tqdm=False)) == want
     assert overlapped["steps"] > 0
-    assert not overlap.llm_engine.penalties.rows, "rows of finished requests are freed"
+    assert not overlap.llm_engine.runner.sampling.penalties.rows, "rows of finished requests are freed"
 
 
 def test_a_faulty_step_fails_only_its_request_with_a_step_in_flight(engines, monkeypatch):

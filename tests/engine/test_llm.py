@@ -358,12 +358,13 @@ def test_penalised_greedy_is_batch_and_preemption_invariant(make_llm):
                           presence_penalty=0.5, frequency_penalty=0.3), GREEDY] * 2
     llm = make_llm()
     alone = [token_ids(llm.generate([p], s, use_tqdm=False))[0] for p, s in zip(batch, pen)]
-    assert llm.llm_engine.penalties.output_counts.shape[0] > 1, "the penalised rows went through the store"
+    penalties = llm.llm_engine.runner.sampling.penalties
+    assert penalties.output_counts.shape[0] > 1, "the penalised rows went through the store"
     assert token_ids(llm.generate(batch, pen, use_tqdm=False)) == alone
     tiny = make_llm(num_gpu_blocks_override=5, max_model_len=64, max_num_batched_tokens=32)
     outs = tiny.generate(batch, pen, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0 and token_ids(outs) == alone
-    assert not tiny.llm_engine.penalties.rows, "rows of finished requests are freed"
+    assert not tiny.llm_engine.runner.sampling.penalties.rows, "rows of finished requests are freed"
 
 
 def test_sampling_metadata_is_reused_only_for_the_same_requests(make_llm, monkeypatch):

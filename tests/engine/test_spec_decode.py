@@ -109,7 +109,7 @@ def _scripted_run(device, K, batch, params, graphs=False, **kwargs):
     llm = make_llm(device, K, compilation_config=graph_config if graphs else None, **kwargs)
     vocab = llm.llm_engine.vocab_size
     reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(batch, want)}
-    llm.llm_engine.proposer = ScriptedProposer(reference, K, vocab)
+    llm.llm_engine.runner.drafting.ngram = ScriptedProposer(reference, K, vocab)
     steps = record_tags(llm)
     got = llm.generate(batch, params, use_tqdm=False)
     return want, got, llm, steps
@@ -145,7 +145,8 @@ def test_scripted_drafts_are_lossless_and_counted(device, graphs, K):
     assert stats.mean_acceptance_length == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
     assert stats.mean_acceptance_length > 1
     if graphs:
-        assert llm.llm_engine.runner.graphs is not None, "FULL_DECODE_ONLY was asked for and graphs were captured"
+        captured = llm.llm_engine.runner.graphs.captured
+        assert captured is not None, "FULL_DECODE_ONLY was asked for and graphs were captured"
     finish(llm)
 
 
@@ -159,7 +160,7 @@ def test_every_backend_combination_is_lossless_on_the_gpu(backends):
     want, got, llm, _ = _scripted_run("cuda", 7, batch, params, graphs=True, **backends)
     assert token_ids(got) == token_ids(want)
     graph_capable = backends["attention_backend"] == "TRITON_MLA" and backends["kda_decode_backend"] == "native"
-    assert (llm.llm_engine.runner.graphs is not None) == graph_capable
+    assert (llm.llm_engine.runner.graphs.captured is not None) == graph_capable
     finish(llm)
 
 
@@ -184,7 +185,7 @@ def test_requests_that_cannot_speculate_share_steps_with_verify_rows(device):
     want = make_llm(device).generate(batch, params, use_tqdm=False)
     llm = make_llm(device, 3)
     reference = {tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(batch, want)}
-    llm.llm_engine.proposer = ScriptedProposer(reference, 3, llm.llm_engine.vocab_size)
+    llm.llm_engine.runner.drafting.ngram = ScriptedProposer(reference, 3, llm.llm_engine.vocab_size)
     steps = record_tags(llm)
     got = llm.generate(batch, params, use_tqdm=False)
     assert token_ids(got) == token_ids(want)

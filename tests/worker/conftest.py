@@ -10,7 +10,7 @@ from vllm.attention.kda.native import NativeKDABackend
 from vllm.attention.mla.triton_mla import TritonMLABackend
 from vllm.config import CompilationConfig
 from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
-from vllm.worker import model_runner
+from vllm.worker import graphs
 
 GRAPH_BACKENDS = dict(attention_backend="TRITON_MLA", kda_prefill_backend="torch", kda_decode_backend="native")
 
@@ -26,7 +26,7 @@ def graph_backends(monkeypatch) -> dict:
     monkeypatch.setattr(NativeKDABackend, "supports", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(CompilationConfig, "resolved_mode",
                         lambda self, device: "NONE" if self.enforce_eager else (self.cudagraph_mode or "NONE"))
-    monkeypatch.setattr(model_runner, "CUDAGraphRunner", ReplayByRerun)
+    monkeypatch.setattr(graphs, "CUDAGraphRunner", ReplayByRerun)
     return GRAPH_BACKENDS
 
 

@@ -1,6 +1,6 @@
 """The runner's real capture path through every decode and MLA backend the selector knows, on a CPU.
 
-`LLM(...)` sizes the pools and captures its decode graphs exactly as on a GPU (`ModelRunner._capture_cudagraphs`
+`LLM(...)` sizes the pools and captures its decode graphs exactly as on a GPU (`StepGraphs.capture`
 over `InputBatch.fill_for_capture`), with the CPU stand-in for capture that refuses host syncs
 (tests/graph_standin.py). Kernels the CPU cannot run are stubs bound to their library's real signature that check
 shapes, dtypes and layouts (tests/flashinfer_stubs.py); native KDA decode and TRITON_MLA run in Triton's
@@ -24,7 +24,7 @@ from vllm.attention import selector
 from vllm.config import CompilationConfig
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT
 from vllm.tools.make_tiny_model import tiny_text_config, write_tiny_model
-from vllm.worker import model_runner
+from vllm.worker import graphs
 from vllm.worker.cudagraph import CUDAGraphMode
 from vllm.worker.decode_tail import DecodeTail
 
@@ -67,9 +67,10 @@ def _owned(is_state: bool, pool: torch.Tensor) -> torch.Tensor:
 
 def _fill_then_capture(monkeypatch, seen: dict):
     """Wraps the real capture: sentinel pools before it, and what they and the captured outputs hold after."""
-    capture = model_runner.ModelRunner._capture_cudagraphs
+    capture = graphs.StepGraphs.capture
 
-    def wrapped(runner, descs, pieces, reserved_bytes):
+    def wrapped(step_graphs, reserved_bytes):
+        runner = step_graphs  # _pools reads the model, which it holds
         gen = torch.Generator().manual_seed(0)
         for is_state, pool in _pools(runner):
             if is_state:
@@ -78,10 +79,11 @@ def _fill_then_capture(monkeypatch, seen: dict):
             else:
                 pool.copy_(torch.randn(pool.shape, generator=gen))
         before = [_owned(*p).clone() for p in _pools(runner)]
-        capture(runner, descs, pieces, reserved_bytes)
+        capture(step_graphs, reserved_bytes)
         seen["before"], seen["after"] = before, [_owned(*p).clone() for p in _pools(runner)]
-        seen["outputs"] = {d: runner.graphs.replay(d) for d in runner.graphs.fns} if runner.graphs else {}
-    monkeypatch.setattr(model_runner.ModelRunner, "_capture_cudagraphs", wrapped)
+        captured = step_graphs.captured
+        seen["outputs"] = {d: captured.replay(d) for d in captured.fns} if captured else {}
+    monkeypatch.setattr(graphs.StepGraphs, "capture", wrapped)
 
 
 @pytest.mark.parametrize("decode", KDA_DECODE)
@@ -98,7 +100,7 @@ def test_capture_dummies_touch_no_request_state(model_dirs, monkeypatch, mla, de
         monkeypatch.setattr(selector.load_backend(flag, name), "supports", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(CompilationConfig, "resolved_mode",
                         lambda self, device: "NONE" if self.enforce_eager else (self.cudagraph_mode or "NONE"))
-    monkeypatch.setattr(model_runner, "CUDAGraphRunner", ReplayByRerun)
+    monkeypatch.setattr(graphs, "CUDAGraphRunner", ReplayByRerun)
     seen = {}
     _fill_then_capture(monkeypatch, seen)
     llm = LLM(model=model_dirs(decode == "flashinfer", mla == "FLASHINFER_MLA"), tokenizer=str(TINY_TOKENIZER_DIR),
@@ -109,7 +111,7 @@ def test_capture_dummies_touch_no_request_state(model_dirs, monkeypatch, mla, de
     runner = llm.llm_engine.runner
     capturable = runner.mla_builder.cudagraph_support > 0 and runner.kda_builder.cudagraph_support > 0
     if not capturable:  # the torch references: lowered to eager with the reason logged, nothing captured
-        assert runner.cudagraph_mode is CUDAGraphMode.NONE and runner.graphs is None
+        assert runner.cudagraph_mode is CUDAGraphMode.NONE and runner.graphs.captured is None
         return
     assert runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY and len(seen["outputs"]) == 2
     stubbed = {"flashinfer": "fused_kda_decode", "triton": "fused_recurrent_kda_fwd",

@@ -56,7 +56,8 @@ def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 12, 4)]
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
     llm = _llm(model_dir, graph_backends, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    llm.llm_engine.proposer = RightDrafts({tuple(p["prompt_token_ids"]): w for p, w in zip(batch, want)}, 3)
+    right = {tuple(p["prompt_token_ids"]): w for p, w in zip(batch, want)}
+    llm.llm_engine.runner.drafting.ngram = RightDrafts(right, 3)
     calls = []
     llm.llm_engine.runner.set_device_trim_hook(uneven_trim(calls))
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
@@ -375,7 +376,8 @@ def test_a_step_scheduled_over_a_verify_step_in_flight_is_placed_on_the_device()
     from vllm.core.request import Request
     from vllm.core.scheduler import Scheduler
     from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
-    from vllm.worker.input_batch import InFlightStep, InputBatch
+    from vllm.worker.in_flight_fill import InFlightStep
+    from vllm.worker.input_batch import InputBatch
     K, bs = 3, 4
     kv = KVCacheManager(64, bs, 1 + 2 * (1 + K), needs_blocks=True, needs_slots=True, slots_per_request=1 + K)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv, K)

@@ -52,10 +52,10 @@ def test_draft_graphs_replay_and_equal_eager(graph_backends, model_dir, tmp_path
         return replay(key)
 
     drafter.graphs.replay = spy  # the runner's graphs too: target and draft share one CUDAGraphRunner
-    execute, verify = runner.execute_model, runner._verify
+    execute, verify = runner.execute_model, runner.sample_step._verify
     runner.execute_model = lambda *a, **kw: step.update(graph=False) or execute(*a, **kw)
     eager_verifies = []  # per eager rejection: whether its step replayed a target graph
-    runner._verify = lambda *a, **kw: eager_verifies.append(step["graph"]) or verify(*a, **kw)
+    runner.sample_step._verify = lambda *a, **kw: eager_verifies.append(step["graph"]) or verify(*a, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert got == want
     # Greedy rows are verified and anchored inside the verify graphs (the decode tail): only steps that run

@@ -25,9 +25,9 @@ def _generate(model_dir, batch, params, reference=None, tokenizer=str(TINY_TOKEN
               max_num_batched_tokens=32, max_num_seqs=4, **kwargs)
     if reference is not None:  # drafts right and wrong by design, so verify rows of 0..K drafts replay
         K = llm.llm_engine.num_spec
-        llm.llm_engine.proposer = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
+        llm.llm_engine.runner.drafting.ngram = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
     replayed = []
-    graphs = llm.llm_engine.runner.graphs
+    graphs = llm.llm_engine.runner.graphs.captured
     if graphs is not None:  # record what replays, real CUDA graphs or the CPU stand-in alike
         replay = graphs.replay
         graphs.replay = lambda desc: replayed.append(desc) or replay(desc)
@@ -89,12 +89,12 @@ def test_graph_replay_equals_eager_on_the_trained_model(graph_backends, K, monke
 def test_a_failed_capture_names_the_backends_and_the_way_out(graph_backends, model_dir, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the stand-in capture is the CPU path")
-    from vllm.worker import model_runner
+    from vllm.worker import graphs
 
     def refuse(self, desc, fn, warmup=1):
         raise RuntimeError("operation not permitted when stream is capturing")
-    # model_runner.CUDAGraphRunner is the fixture's stand-in here.
-    monkeypatch.setattr(model_runner.CUDAGraphRunner, "capture", refuse)
+    # graphs.CUDAGraphRunner is the fixture's stand-in here.
+    monkeypatch.setattr(graphs.CUDAGraphRunner, "capture", refuse)
     with pytest.raises(RuntimeError, match=r"KDA decode native.*--enforce-eager"):
         LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=128,
             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4]},
@@ -139,5 +139,5 @@ def test_a_short_prompt_on_a_recycled_slot_runs_eagerly(graph_backends, model_di
 
     _, eager = run(enforce_eager=True)
     llm, graphed = run(compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [4, 12]})
-    assert llm.llm_engine.runner.graphs is not None
+    assert llm.llm_engine.runner.graphs.captured is not None
     assert graphed == eager

@@ -29,7 +29,7 @@ def _generate(model_dir, batch, params, monkeypatch=None, reference=None, **kwar
               max_num_batched_tokens=24, max_num_seqs=4, **kwargs)
     if reference is not None:  # drafts right and wrong by design: verify rows of 0..K accepted drafts
         K = llm.llm_engine.num_spec
-        llm.llm_engine.proposer = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
+        llm.llm_engine.runner.drafting.ngram = ScriptedProposer(reference, K, llm.llm_engine.vocab_size)
     runs = []
     if monkeypatch is not None:
         run = PiecewiseCUDAGraphs.run
@@ -63,7 +63,7 @@ def test_piecewise_equals_eager(graph_backends, plain_k3_dir, monkeypatch, mode)
                                    compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": [4]})
     runner = llm.llm_engine.runner
     assert runner.cudagraph_mode is CUDAGraphMode(mode)
-    assert runner.piecewise.sizes == [16, 24]
+    assert runner.graphs.piecewise.sizes == [16, 24]
     assert graphed == eager
     assert any(n > 16 for n in runs), runs  # the 24-token graphs, with padding rows at 23 tokens
     if mode == "PIECEWISE":
@@ -95,4 +95,4 @@ def test_attn_res_falls_back_from_piecewise(graph_backends, model_dir):
               max_num_batched_tokens=24, max_num_seqs=2, **graph_backends,
               compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [2]})
     runner = llm.llm_engine.runner
-    assert runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY and runner.piecewise is None
+    assert runner.cudagraph_mode is CUDAGraphMode.FULL_DECODE_ONLY and runner.graphs.piecewise is None

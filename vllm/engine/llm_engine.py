@@ -19,16 +19,12 @@ from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
 from vllm.inputs.validation import prompt_problem, text_problem
 from vllm.outputs import RequestOutput
-from vllm.sample.bad_words import bad_words_token_ids, banned_by_bad_words
-from vllm.sample.penalties import PenaltyCounts
-from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
-from vllm.sample.sampler import SamplingMetadata
+from vllm.sample.bad_words import bad_words_token_ids
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
-from vllm.spec_decode.ngram import NgramProposer
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
-from vllm.worker.input_batch import InFlightTokens
-from vllm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
+from vllm.worker.model_runner import ModelRunner
+from vllm.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +56,9 @@ class LLMEngine:
         self.kv_cache_manager = self.runner.initialize_cache()
         self.num_spec = config.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec)
-        spec = config.speculative_config
-        # ngram drafts on the host after each step; DSpark drafts come back with the step (runner.drafter).
-        self.proposer = NgramProposer.from_config(spec, config.model_config.max_model_len) \
-            if spec is not None and spec.method == "ngram" else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
-        self.penalties = PenaltyCounts(self.vocab_size, mc.device)
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -80,8 +71,6 @@ class LLMEngine:
         self._verify_step_start: float | None = None
         self._waited = 0.0
         self._drained_shape: tuple[int, int, bool] | None = None
-        # Per kind of row ("sample", "verify"): the last step's requests and the metadata built for them.
-        self._sampling_cache: dict[str, tuple[list[Request], SamplingMetadata]] = {}
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
 
     @classmethod
@@ -162,7 +151,7 @@ class LLMEngine:
             out = self.output_processor.abort(rid)
             if out is not None:
                 outputs.append(out)
-        self._free_penalty_rows()
+        self.runner.remove_finished(self.scheduler.requests)
         return outputs
 
     def _can_speculate(self, params: SamplingParams) -> bool:
@@ -201,14 +190,9 @@ class LLMEngine:
             return outputs + self._drain()
         rows = sched.scheduled
         self.last_scheduled = sched
-        in_flight = self.in_flight[1].in_flight_tokens if self.in_flight is not None else None
         try:
-            sampling = self._sampling_metadata([s.request for s in rows if s.samples and not s.draft_token_ids],
-                                               in_flight, "sample")
-            spec_sampling = self._sampling_metadata([s.request for s in rows if s.draft_token_ids], in_flight,
-                                                    "verify")
-            last = self.last_launched.in_flight_step if self.last_launched is not None else None
-            launched = self.runner.execute_model(sched, self.kv_cache_manager, sampling, spec_sampling, last)
+            launched = self.runner.execute_model(sched, self.kv_cache_manager, self.last_launched,
+                                                 last_landed=self.in_flight is None)
         except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
             outputs += self._drain()
             return outputs + self._contain(sched, e)
@@ -217,8 +201,7 @@ class LLMEngine:
         self.in_flight = (sched, launched)
         if not self.async_scheduling:
             outputs += self._drain()
-        if self.runner.drafter is not None:
-            self._take_device_drafts(launched)
+        self.runner.propose_drafts(self.scheduler.running, launched)
         # Every row verified drafts (the steps adaptive verification plans): timed up to the next step.
         if len(launched.verify_rows) == len(rows) and self.has_unfinished_requests():
             self._verify_step_start = start
@@ -258,14 +241,9 @@ class LLMEngine:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, status)
-        if self.proposer is not None:
-            self._propose()
-        self._free_penalty_rows()
+        self.runner.propose_drafts(self.scheduler.running)  # drafts from the tokens on the host (ngram)
+        self.runner.remove_finished(self.scheduler.requests)
         return outputs
-
-    def _free_penalty_rows(self) -> None:
-        if self.penalties.rows:
-            self.penalties.prune(self.scheduler.requests)
 
     def _contain(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A step raised. The model may have updated every row's cache and state before it did, so no row can
@@ -294,34 +272,8 @@ class LLMEngine:
                 self.scheduler.running.remove(req)
                 self.scheduler.requeue(req)
                 req.suspect = True
-        self._free_penalty_rows()
+        self.runner.remove_finished(self.scheduler.requests)
         return [out for r in culprits if (out := self.output_processor.fail(r.request_id, message)) is not None]
-
-    def _propose(self) -> None:
-        """ngram drafts for each decoding request, verified in the next step."""
-        for req in self.scheduler.running:
-            room = self._draft_room(req)
-            if req.speculate and not req.is_prefilling and room > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids())[:room]
-
-    def _take_device_drafts(self, launched: AsyncModelRunnerOutput) -> None:
-        """The DSpark drafts `launched` proposed stay on the device; each running request verifies its share of
-        them next step (device-draft markers the input batch replaces), like ngram's never past max_tokens or
-        --max-model-len. A request the step did not draft for has none: older drafts are gone with their step."""
-        drafted = set(launched.draft_rows)
-        max_len = self.config.model_config.max_model_len
-        for req in self.scheduler.running:
-            room = 0
-            if req.request_id in drafted and not req.is_prefilling:
-                # The next row starts at num_computed_tokens, which counts drafts in flight as accepted.
-                room = min(self._draft_room(req), max_len - req.num_computed_tokens - 1, self.num_spec)
-            req.spec_token_ids = [DEVICE_DRAFT_TOKEN_ID] * max(room, 0)
-
-    @staticmethod
-    def _draft_room(req: Request) -> int:
-        """A verify step emits up to 1 + drafts tokens, so drafts stop one short of the remaining max_tokens;
-        each step in flight emits at least one."""
-        return req.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:
@@ -330,36 +282,3 @@ class LLMEngine:
         stats = self.scheduler.spec_stats
         adaptive = self.runner.adaptive_stats() if stats is not None else None
         return stats if adaptive is None else dataclasses.replace(stats, **adaptive)
-
-    def _sampling_metadata(self, reqs: list[Request], in_flight: InFlightTokens | None,
-                           kind: str) -> SamplingMetadata | None:
-        """The rows' sampling metadata. Without bans or penalties it depends only on which requests the rows are,
-        so a decode step with the same request objects as the last step of this `kind` reuses its device tensors
-        (objects, not ids: an id may be reused by a later request)."""
-        if not reqs:
-            return None
-        cached = self._sampling_cache.get(kind)
-        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
-            return cached[1]
-        # The row samples its output number len(outputs) + placeholders (the step's own placeholder included).
-        banned = [(sorted(r.eos_token_ids | r.sampling_params.all_stop_token_ids)
-                   if len(r.output_token_ids) + r.num_output_placeholders <= r.sampling_params.min_tokens else [])
-                  + banned_by_bad_words(r.sampling_params.bad_words_token_ids, r.output_token_ids)
-                  for r in reqs]
-        meta = SamplingMetadata.from_requests([r.sampling_params for r in reqs], [r.generator for r in reqs],
-                                              banned, self.config.model_config.device,
-                                              self._penalty_counts(reqs, in_flight))
-        # Bans that depend on the output (min_tokens, bad words) change from step to step: never reused.
-        if meta.no_penalties and not any(banned) and not any(r.sampling_params.bad_words_token_ids for r in reqs):
-            self._sampling_cache[kind] = (reqs, meta)
-        else:
-            self._sampling_cache.pop(kind, None)
-        return meta
-
-    def _penalty_counts(self, reqs: list[Request],
-                        in_flight: InFlightTokens | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows' device-side token counts (zero rows for unpenalised ones), None if no row has a penalty."""
-        rows = [r if r.sampling_params.has_penalties else None for r in reqs]
-        if not any(rows):
-            return None
-        return self.penalties.gather(rows, in_flight)

@@ -9,10 +9,12 @@ tokens can use.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from vllm.attention.backend import CommonAttentionMetadata
 from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
@@ -85,3 +87,39 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
                 slot_bytes / 2**20, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / 2**20,
                 activation_peak_bytes / 2**20, graph_bytes / 2**20)
     return layout
+
+
+@torch.inference_mode()
+def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: Callable[[int], list],
+                       attn_metadata: Callable[[CommonAttentionMetadata], object]) -> int:
+    """Peak device memory of a forward over a full token budget (one prompt, its last max_num_seqs rows' logits)
+    with caches just big enough for it (`bind_caches(num_blocks)` binds them and returns them), less those
+    caches. 0 off CUDA."""
+    device = config.model_config.device
+    if device.type != "cuda":
+        return 0
+    sc = config.scheduler_config
+    n = min(sc.max_num_batched_tokens, sc.max_model_len)
+    blocks = -(-n // config.cache_config.block_size)
+    caches = bind_caches(blocks)
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        seq_lens_cpu=torch.tensor([n], dtype=torch.int32), num_reqs=1, num_actual_tokens=n, max_query_len=n,
+        max_seq_len=n, block_table=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
+        is_prefilling=torch.tensor([True]), state_indices=torch.zeros(1, dtype=torch.int32, device=device),
+        state_indices_cpu=torch.zeros(1, dtype=torch.int32))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
+                   attn_metadata(common))
+    model.compute_logits(hidden[-sc.max_num_seqs:])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    cache_bytes = sum(t.numel() * t.element_size() for c in caches
+                      for t in (c.kv_cache, c.conv_state, c.ssm_state) if t is not None)
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return peak - cache_bytes

@@ -1,4 +1,4 @@
-"""What a step's device inputs take from the step still in flight (InputBatch._fill_in_flight).
+"""What a step's device inputs take from the step still in flight (fill_from_step, called by InputBatch.prepare).
 
 Under async scheduling a step is prepared before the step before it has returned its tokens: the host writes
 stand-ins, and the device copies in each row's newest token (sampled, or the last one a verify row emitted), its
@@ -13,7 +13,8 @@ the step's time). The torch form runs elsewhere and is the kernel's reference in
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,38 @@ try:
     from vllm.worker import in_flight_kernels
 except ImportError:  # no triton (a CPU install): the torch form below
     in_flight_kernels = None
+
+if TYPE_CHECKING:
+    from vllm.worker.input_batch import CpuGpuBuffer
+
+# The step in flight's sampled tokens on the device and each sampling request's row in them (what penalties
+# count before the host has them).
+InFlightTokens = tuple[torch.Tensor, dict[str, int]]
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """The device outputs of the latest launched step, where a step prepared before their host copies are read
+    finds what its host does not know: a row's newest token (sampled, or the last a verify row emitted), how
+    many drafts a verify row kept, and the DSpark drafts proposed for the next step. Each dict maps a request to
+    its row in the tensor beside it."""
+    sampled: torch.Tensor | None = None  # [sample rows] int64
+    sample_rows: dict[str, int] = field(default_factory=dict)
+    verified: torch.Tensor | None = None  # [verify rows, 1 + K]: accepted drafts, then one more, then -1
+    verify_rows: dict[str, int] = field(default_factory=dict)
+    drafts: torch.Tensor | None = None  # [draft rows, K]
+    draft_rows: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DeviceFills:
+    """Where a step's host buffers hold stand-ins for device values (fill_from_step), per row: (row, request,
+    anchor token or -1, first token, tokens, drafts in flight, first device draft, device drafts) in step tokens
+    (the fields of FillField, the request standing for its in-flight rows)."""
+    rows: list[tuple[int, str, int, int, int, int, int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
 
 
 class FillField(enum.IntEnum):
@@ -69,6 +102,36 @@ class FillSources:
     sampled: torch.Tensor | None  # [sample rows] int64
     verified: torch.Tensor | None  # [verify rows, 1 + K]: accepted drafts, then one more, then placeholders
     drafts: torch.Tensor | None  # [draft rows, K]
+
+
+def fill_from_step(fills: DeviceFills, step: InFlightStep | None, targets: FillTargets,
+                   desc_buffer: CpuGpuBuffer) -> None:
+    """Copies into the step's device buffers what only the device knows, from `step` (the latest launched step's
+    outputs), through descriptor rows written to `desc_buffer`."""
+    if step is None:
+        raise RuntimeError("a scheduled token is neither on the host nor on the device from the step before")
+    rows, sample_rows, verify_rows, draft_rows = fills.rows, step.sample_rows, step.verify_rows, step.draft_rows
+    n = len(rows)
+    if all(a == i and not d and sample_rows.get(rid) == i for i, (_, rid, a, *_, d) in enumerate(rows)):
+        # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
+        targets.input_ids[:n].copy_(step.sampled[:n])
+        return
+    desc = []
+    for row, rid, anchor, first, length, spec, draft_pos, num_drafts in rows:
+        if anchor < 0:
+            kind, src = AnchorKind.NONE, 0
+        elif rid in verify_rows:
+            kind, src = AnchorKind.VERIFIED, verify_rows[rid]
+        else:
+            kind, src = AnchorKind.SAMPLED, sample_rows[rid]
+        assert (kind == AnchorKind.VERIFIED) == (spec > 0), \
+            "a row continues a verify row in flight, or has drafts in flight"
+        desc.append((row, anchor, kind, src, first, length, spec, draft_pos,
+                     draft_rows[rid] if num_drafts else 0, num_drafts))
+    host_desc = desc_buffer.np[:len(desc)]
+    host_desc[:] = desc
+    fill_in_flight(host_desc, targets, FillSources(step.sampled, step.verified, step.drafts),
+                   device_desc=desc_buffer.copy_to_device(len(desc)))
 
 
 def fill_in_flight(desc: np.ndarray, targets: FillTargets, sources: FillSources,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,36 +17,7 @@ from vllm.core.kv_cache_manager import NULL_STATE_SLOT, KVCacheManager
 from vllm.core.scheduler import SchedulerOutput
 from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
 from vllm.utils import async_tensor_h2d
-from vllm.worker.in_flight_fill import FILL_FIELDS, AnchorKind, FillSources, FillTargets, fill_in_flight
-
-# The step in flight's sampled tokens on the device and each sampling request's row in them (what penalties
-# count before the host has them).
-InFlightTokens = tuple[torch.Tensor, dict[str, int]]
-
-
-@dataclass(slots=True)
-class InFlightStep:
-    """The device outputs of the latest launched step, where a step prepared before their host copies are read
-    finds what its host does not know: a row's newest token (sampled, or the last a verify row emitted), how
-    many drafts a verify row kept, and the DSpark drafts proposed for the next step. Each dict maps a request to
-    its row in the tensor beside it."""
-    sampled: torch.Tensor | None = None  # [sample rows] int64
-    sample_rows: dict[str, int] = field(default_factory=dict)
-    verified: torch.Tensor | None = None  # [verify rows, 1 + K]: accepted drafts, then one more, then -1
-    verify_rows: dict[str, int] = field(default_factory=dict)
-    drafts: torch.Tensor | None = None  # [draft rows, K]
-    draft_rows: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _DeviceFills:
-    """Where a step's host buffers hold stand-ins for device values (InputBatch._fill_in_flight), per row:
-    (row, request, anchor token or -1, first token, tokens, drafts in flight, first device draft, device drafts)
-    in step tokens (the fields of in_flight_fill.FillField, the request standing for its in-flight rows)."""
-    rows: list[tuple[int, str, int, int, int, int, int, int]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
+from vllm.worker.in_flight_fill import FILL_FIELDS, DeviceFills, FillTargets, InFlightStep, fill_from_step
 
 
 class CpuGpuBuffer:
@@ -112,6 +82,7 @@ class InputBatch:
         self.is_prefilling_np = self.is_prefilling.numpy()
         # The in-flight fill's descriptor rows (in_flight_fill.FillField), uploaded like the step's inputs.
         self.fill_desc = CpuGpuBuffer((max_num_reqs, FILL_FIELDS), torch.int64, device)
+        self._fill_targets: FillTargets | None = None  # the buffers the fill writes, made at its first use
         # Recorded behind each step's host-to-device copies: the host buffers are rewritten only after they
         # ran, which matters once a step is prepared while the one before may still be queued.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -175,7 +146,11 @@ class InputBatch:
             self.slot_mapping.np[:T] = -1
         self._copy_to_device(n_reqs, T, rows_changed=not continues)
         if fills:
-            self._fill_in_flight(fills, in_flight, kv.needs_blocks)
+            if self._fill_targets is None:
+                self._fill_targets = FillTargets(
+                    self.input_ids.gpu, self.draft_ids.gpu, self.positions.gpu, self.slot_mapping.gpu,
+                    self.seq_lens.gpu, self.num_accepted.gpu, self.block_table.gpu, self.block_size, kv.needs_blocks)
+            fill_from_step(fills, in_flight, self._fill_targets, self.fill_desc)
         self._record_copies()
         decode_only = T == n_reqs and not self.spec and not self.is_prefilling_np[:n_reqs].any()
         self._last_decode_rows = reqs if decode_only else None
@@ -192,11 +167,11 @@ class InputBatch:
                 and bool((lens == 1).all()) and np.array_equal(starts, self.seq_lens.np[:len(reqs)])
                 and not any(s.is_prefilling for s in scheduled))
 
-    def _write_tokens(self, scheduled: list, reqs: list, starts: np.ndarray, T: int, continues: bool) -> _DeviceFills:
+    def _write_tokens(self, scheduled: list, reqs: list, starts: np.ndarray, T: int, continues: bool) -> DeviceFills:
         """Writes the step's token ids (drafts as scheduled, placeholders and device drafts as 0); returns where
         the device must fill in what the host does not have. A continuing step whose every token is in flight
         (async scheduling's steady state) reads no request's tokens."""
-        fills = _DeviceFills()
+        fills = DeviceFills()
         if continues and (starts >= np.fromiter((r.num_tokens for r in reqs), np.int64, len(reqs))).all():
             self.input_ids.np[:T] = 0  # draft ids are read only when speculating, which never continues
             fills.rows = [(pos, r.request_id, pos, pos, 1, 0, -1, 0) for pos, r in enumerate(reqs)]
@@ -267,37 +242,6 @@ class InputBatch:
         """Marks the end of the step's host-to-device copies (the next prepare waits for it)."""
         if self._copied is not None:
             self._copied.record()
-
-    def _fill_in_flight(self, fills: _DeviceFills, step: InFlightStep | None, has_blocks: bool) -> None:
-        """Copies into the step's device buffers what only the device knows (see prepare), from `step`."""
-        if step is None:
-            raise RuntimeError("a scheduled token is neither on the host nor on the device from the step before")
-        rows, sample_rows, verify_rows, draft_rows = fills.rows, step.sample_rows, step.verify_rows, step.draft_rows
-        n = len(rows)
-        if all(a == i and not d and sample_rows.get(rid) == i for i, (_, rid, a, *_, d) in enumerate(rows)):
-            # A decode step after a decode step, rows in the same order: one copy, nothing to upload.
-            self.input_ids.prefix(n)[1].copy_(step.sampled[:n])
-            return
-        desc = []
-        for row, rid, anchor, first, length, spec, draft_pos, num_drafts in rows:
-            if anchor < 0:
-                kind, src = AnchorKind.NONE, 0
-            elif rid in verify_rows:
-                kind, src = AnchorKind.VERIFIED, verify_rows[rid]
-            else:
-                kind, src = AnchorKind.SAMPLED, sample_rows[rid]
-            assert (kind == AnchorKind.VERIFIED) == (spec > 0), \
-                "a row continues a verify row in flight, or has drafts in flight"
-            desc.append((row, anchor, kind, src, first, length, spec, draft_pos,
-                         draft_rows[rid] if num_drafts else 0, num_drafts))
-        host_desc = self.fill_desc.np[:len(desc)]
-        host_desc[:] = desc
-        fill_in_flight(host_desc,
-                       FillTargets(self.input_ids.gpu, self.draft_ids.gpu, self.positions.gpu, self.slot_mapping.gpu,
-                                   self.seq_lens.gpu, self.num_accepted.gpu, self.block_table.gpu, self.block_size,
-                                   has_blocks),
-                       FillSources(step.sampled, step.verified, step.drafts),
-                       device_desc=self.fill_desc.copy_to_device(len(desc)))
 
     def _metadata(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                   freeze_host: bool) -> CommonAttentionMetadata:
