@@ -108,14 +108,15 @@ def test_long_prompt_chunks_run_unabsorbed_and_match_reference(device, dtype):
     _check(*_run_both(common, *inputs, d, triton_meta=meta), n, dtype)
 
 
-def test_capture_keeps_every_row_absorbed(monkeypatch):
-    """Inside graph capture the unabsorbed plan (host row lengths) would be frozen into the graph: none is made."""
-    from vllm.attention.mla import triton_mla
+def test_capture_keeps_every_row_absorbed():
+    """Inside graph capture the unabsorbed plan (host row lengths) would be frozen into the graph: the capture
+    entry point makes none, where build makes one for the same step."""
     gen = torch.Generator().manual_seed(7)
     common = _make_common(RAGGED["ctx"], RAGGED["qlens"], 4, 80, "cpu", gen)
-    monkeypatch.setattr(triton_mla, "_capturing", lambda: True)
-    meta = TritonMLABackend.builder(4, prefill_min_query_len=4).build(common)
+    builder = TritonMLABackend.builder(4, prefill_min_query_len=4)
+    meta = builder.build_for_capture(common)
     assert meta.prefill_rows == () and meta.skip_reqs is None and meta.max_query_len == 12
+    assert builder.build(common).prefill_rows, "the same step built eagerly plans its long chunks unabsorbed"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -86,6 +86,12 @@ class AttentionMetadataBuilder(ABC):
     def build(self, common: CommonAttentionMetadata) -> Any:
         """Backend metadata for one step."""
 
+    def build_for_capture(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata built inside a CUDA graph's capture (so its device work reruns on every replay): the host
+        choices it makes are fixed for every step the graph replays, which are decode or verify rows only. By
+        default what build makes; a builder whose host work reads a step's contents overrides it."""
+        return self.build(common)
+
 
 @dataclass(frozen=True, slots=True)
 class LayerShapes:

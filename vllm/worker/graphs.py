@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 GRAPH_MEMORY_MARGIN = 1.2
 GRAPH_MEMORY_SLACK_BYTES = 64 << 20
 
-Forward = Callable[[int, CommonAttentionMetadata], torch.Tensor]
+Forward = Callable[..., torch.Tensor]  # (num_tokens, common, capturing=False)
 
 
 def choose_mode(config: VllmConfig, device: torch.device, builders: list, attn_res: bool) -> CUDAGraphMode:
@@ -58,7 +58,7 @@ class StepGraphs:
 
     def __init__(self, config: VllmConfig, device: torch.device, mode: CUDAGraphMode, backend_names: str,
                  model: torch.nn.Module, input_batch: InputBatch, drafter: DSparkProposer | None, forward: Forward,
-                 forward_with_tail: Callable[[int, CommonAttentionMetadata], DecodeTail],
+                 forward_with_tail: Callable[..., DecodeTail],
                  attn_metadata: Callable[[CommonAttentionMetadata], HybridAttentionMetadata]) -> None:
         self.config, self.device, self.mode, self.backend_names = config, device, mode, backend_names
         self.model, self.input_batch, self.drafter = model, input_batch, drafter
@@ -188,7 +188,7 @@ class StepGraphs:
         # rows: no prompt chunk) also computes the decode tail; a mixed graph's tokens are mostly not logits rows.
         fn = self.forward if desc.max_query_len is None else self.forward_with_tail
         try:
-            graphs.capture(desc, functools.partial(fn, T, common))
+            graphs.capture(desc, functools.partial(fn, T, common, capturing=True))
         except Exception as e:  # a kernel that syncs with the host, or glue refusing the capture's dummies
             raise RuntimeError(f"capturing the CUDA graph for {desc} failed ({type(e).__name__}: {e}); backends: "
                                f"{self.backend_names}; run with --enforce-eager or "

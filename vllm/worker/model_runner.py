@@ -204,23 +204,28 @@ class ModelRunner:
         return common, desc, lambda: self.graphs.captured.replay(desc)
 
     # ---- the step ---------------------------------------------------------------------------------------------
-    def _attn_metadata(self, common: CommonAttentionMetadata) -> HybridAttentionMetadata:
-        return HybridAttentionMetadata(kda=self.kda_builder.build(common) if self.kda_builder else None,
-                                       mla=self.mla_builder.build(common) if self.mla_builder else None)
+    def _attn_metadata(self, common: CommonAttentionMetadata, capturing: bool = False) -> HybridAttentionMetadata:
+        """The backends' metadata; `capturing`: built inside a graph's capture (build_for_capture)."""
+        kda, mla = self.kda_builder, self.mla_builder
+        if capturing:
+            return HybridAttentionMetadata(kda=kda.build_for_capture(common) if kda else None,
+                                           mla=mla.build_for_capture(common) if mla else None)
+        return HybridAttentionMetadata(kda=kda.build(common) if kda else None, mla=mla.build(common) if mla else None)
 
-    def _forward(self, num_tokens: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def _forward(self, num_tokens: int, common: CommonAttentionMetadata, capturing: bool = False) -> torch.Tensor:
         """The target's forward, then (with a DSpark draft) the step's context into the draft's caches: both in
         one graph where the step replays one."""
         batch = self.input_batch
         hidden = self.model(batch.input_ids.gpu[:num_tokens], batch.positions.gpu[:num_tokens],
-                            self._attn_metadata(common))
+                            self._attn_metadata(common, capturing))
         if self.drafter is not None:
             self.drafter.write_context(num_tokens, batch.positions.gpu, common.slot_mapping)
         return hidden
 
-    def _forward_with_tail(self, num_tokens: int, common: CommonAttentionMetadata) -> DecodeTail:
+    def _forward_with_tail(self, num_tokens: int, common: CommonAttentionMetadata,
+                           capturing: bool = False) -> DecodeTail:
         """_forward, then the decode tail over every token (a decode or verify step's: each token a logits row)."""
-        hidden = self._forward(num_tokens, common)
+        hidden = self._forward(num_tokens, common, capturing)
         batch = self.input_batch
         return decode_tail(hidden, self.model.compute_logits(hidden), batch.draft_ids.gpu, batch.positions.gpu,
                            common.query_start_loc, self.num_spec, with_anchors=self.drafter is not None)

@@ -80,8 +80,13 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
         self.prefill_min_query_len = prefill_min_query_len
 
     def build(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
+        return self._build(common, self._prefill_rows(common))
+
+    def build_for_capture(self, common: CommonAttentionMetadata) -> TritonMLAMetadata:
+        return self._build(common, ())  # a replayed step has no prompt chunk: every row absorbed
+
+    def _build(self, common: CommonAttentionMetadata, prefill: tuple[PrefillRow, ...]) -> TritonMLAMetadata:
         n = common.num_reqs
-        prefill = () if _capturing() else self._prefill_rows(common)
         max_query_len, skip = common.max_query_len, None
         if prefill:
             # Device row lengths never exceed the host ones (device trims only shorten drafts), so the host
@@ -160,10 +165,6 @@ class TritonMLABackend(AttentionBackend):
                 q[row.q_start:row.q_end], kv_cache, meta.block_table[row.req], row.seq_len, kv_b_weight,
                 qk_nope_head_dim, v_head_dim, scale)
         return out
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
