@@ -77,3 +77,18 @@ def test_warm_up_touches_no_request_state():
                 assert torch.equal(was[others], now[others]), "the warm-up wrote a request's state slot"
     assert llm.llm_engine.kv_cache_manager.block_pool.num_free == free
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == before
+
+
+def test_backends_declare_the_lengths_where_they_switch_kernels():
+    """The warm-up reads the switch lengths the backends declare (no guessed attributes); a backend without a
+    switch declares None and the steps keep their default shapes."""
+    from vllm.attention.kda.native import NativeKDABackend
+    from vllm.attention.kda.triton_fla import TritonFLAKDABackend
+    from vllm.attention.mla.torch_ref import TorchMLABackend
+    from vllm.attention.mla.triton_mla import PREFILL_MIN_QUERY_LEN, TritonMLABackend
+    assert TritonMLABackend.builder(16).prefill_min_query_len == PREFILL_MIN_QUERY_LEN
+    assert TorchMLABackend.builder(16).prefill_min_query_len is None
+    assert TritonFLAKDABackend.recurrent_prefill_max_len == RECURRENT
+    assert NativeKDABackend.recurrent_prefill_max_len is None
+    assert eager_warmup_steps(64, 8192, 392, None, None) == eager_warmup_steps(64, 8192, 392, SHORT, RECURRENT)
+    assert eager_warmup_steps(64, 8192, 392, 8, 128) != eager_warmup_steps(64, 8192, 392, None, None)

@@ -77,6 +77,9 @@ class CommonAttentionMetadata:
 class AttentionMetadataBuilder(ABC):
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
+    # Prompt chunks longer than this run another kernel path than shorter rows (the start-up warm-up crosses
+    # it); None: one path for every length.
+    prefill_min_query_len: int | None = None
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:

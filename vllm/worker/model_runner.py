@@ -170,9 +170,9 @@ class ModelRunner:
         """One eager forward of each step shape in `warmup.eager_warmup_steps`, over harmless inputs (no cache
         writes, the null state slot), so that their kernels compile now and not under the first requests."""
         sc = self.config.scheduler_config
-        # The backends' own thresholds, where they have them; without one, that choice does not exist.
-        short = getattr(self.mla_builder, "prefill_min_query_len", 16)
-        recurrent = getattr(self.kda_prefill_backend, "recurrent_prefill_max_len", 256)
+        # The lengths where the backends switch kernels, as they declare them (None: no such switch).
+        short = self.mla_builder.prefill_min_query_len if self.mla_builder is not None else None
+        recurrent = self.kda_prefill_backend.recurrent_prefill_max_len
         steps = eager_warmup_steps(sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len, short, recurrent)
         start = time.monotonic()
         for step in steps:

@@ -33,9 +33,18 @@ class WarmupStep:
         return sum(self.query_lens)
 
 
+# The chunk lengths the steps are built around where a backend declares no switch: the other choices above
+# (tile families, MoE buckets, splits) still need short and mid-sized prompt chunks.
+DEFAULT_SHORT_CHUNK, DEFAULT_RECURRENT_CHUNK = 16, 256
+
+
 def eager_warmup_steps(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                       short_chunk: int, recurrent_chunk: int) -> list[WarmupStep]:
-    """The warm-up steps that fit the scheduler's bounds, without repeats."""
+                       short_chunk: int | None, recurrent_chunk: int | None) -> list[WarmupStep]:
+    """The warm-up steps that fit the scheduler's bounds, without repeats. `short_chunk`: the MLA backend's
+    unabsorbed-prefill threshold; `recurrent_chunk`: the KDA prefill backend's recurrent-kernel bound (None:
+    the backend has none)."""
+    short_chunk = DEFAULT_SHORT_CHUNK if short_chunk is None else short_chunk
+    recurrent_chunk = DEFAULT_RECURRENT_CHUNK if recurrent_chunk is None else recurrent_chunk
     rows: list[list[tuple[int, int, bool]]] = []  # (query len, context len, prefilling) per row
     num_decode = max(0, min(max_num_seqs - 2, 32))
     context = min(max_model_len - 1, 2048)  # several MLA splits for the decode rows

@@ -85,6 +85,9 @@ class KDABackend(AttentionBackend):
     # Whether its decode kernel needs conv-state pools stored history-major (strides [slot, 1, 3P]); every
     # backend reads either layout through strides, so the decode backend picks the pool's layout.
     conv_state_history_major: ClassVar[bool] = False
+    # Prompt chunks up to this many tokens run its prefill through another kernel than longer ones (the start-up
+    # warm-up crosses it); None: one kernel for every length.
+    recurrent_prefill_max_len: ClassVar[int | None] = None
 
     @classmethod
     def builder(cls, block_size: int) -> AttentionMetadataBuilder:
