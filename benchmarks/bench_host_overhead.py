@@ -7,7 +7,7 @@
 
 For each N, N requests (random prompts, ignore_eos, enough max_tokens for the timed steps) are added to one
 LLMEngine and stepped until all decode; then `--iters` real `engine.step()` calls are timed. The engine runs
-unmodified: `Scheduler.schedule`, `InputBatch.prepare` and `ModelRunner._attn_metadata` (plus the engine's
+unmodified: `Scheduler.schedule`, `InputBatch.prepare` and `ModelRunner._attn_metadata` (plus the worker's
 sampling-metadata build, reported apart) are wrapped on the instances with perf_counter, so "host prep" is the
 host time of exactly those calls inside real steps, without the forward. The full step (forward, sampling,
 output processing) is timed too for context. Host times are not synchronized with the GPU: they are what the
@@ -194,9 +194,9 @@ def main() -> None:
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner.input_batch, "prepare", "prepare")
     timer.wrap(engine.runner, "_attn_metadata", "attn_metadata")
-    timer.wrap(engine, "_sampling_metadata", "sampling_metadata")
+    timer.wrap(engine.runner.sampling, "metadata", "sampling_metadata")
     timer.wrap(engine.output_processor, "process", "outputs")
-    timer.wrap(engine.runner, "sampler", "sample")
+    timer.wrap(engine.runner.sample_step, "sampler", "sample")
     results = []
     print(f"{'N':>5} x {'ctx':>6} {'host prep med':>14} {'p90':>9} {'schedule':>9} {'prepare':>9} {'attn md':>8} "
           f"{'sampl md':>9} {'sample':>8} {'outputs':>8} {'serialize':>9} {'step med':>10} {'step mean':>10}   (us)")
