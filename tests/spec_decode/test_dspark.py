@@ -284,11 +284,11 @@ def test_the_engine_times_all_verify_steps_for_the_step_it_waited_for_without_id
     runner.step_times = Samples()  # off CUDA the engine records nothing unless given somewhere to
     execute_model = runner.execute_model
 
-    def launching(out, *args):
+    def launching(out, *args, **kwargs):
         # 1 s for a step whose every row verifies drafts, 5 s for any other: only the former are timed.
         all_verify = all(s.draft_token_ids for s in out.scheduled)
         clock[0] += 1.0 if all_verify else 5.0
-        result = execute_model(out, *args)
+        result = execute_model(out, *args, **kwargs)
         launched.append((len(out.scheduled), result.num_tokens, result.recut) if all_verify else None)
         return result
 

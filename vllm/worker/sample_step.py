@@ -64,12 +64,14 @@ class SampleStep:
         elif verify_rows and not verify_in_graph:  # the re-cut all-verify step: every token, in order
             parts.append(np.arange(T))
         num_verify_logits = sum(len(p) for p in parts)
-        if sample_rows and not sample_in_graph:
+        num_sample_logits = len(sample_rows) if sample_rows and not sample_in_graph else 0
+        # A decode step (every token a sampling row, in order) gathers nothing: nothing to upload for it.
+        sample_gather = num_sample_logits and not (num_sample_logits == T and not verify_rows)
+        if sample_gather:
             parts.append(np.array([ends[r] - 1 for r in sample_rows]))
-        num_sample_logits = sum(len(p) for p in parts) - num_verify_logits
-        prompt = self._prompt_rows(out, ends)
+        prompt = self._prompt_rows(out, ends) if self.any_prompt_logprobs(out) else []
         parts += [np.arange(first, first + len(targets)) for _, first, targets, _ in prompt]
-        num_logits = sum(len(p) for p in parts)
+        num_logits = num_verify_logits + num_sample_logits + sum(len(t) for _, _, t, _ in prompt)
         if verify_in_graph and len(verify_rows) < common.num_reqs:
             parts.append(np.array(verify_rows))  # the verify rows among the graph's rows
         if drafts:
@@ -79,7 +81,8 @@ class SampleStep:
             parts.append(np.array([ends[r] - 1 for r in sample_rows]))  # the sampling rows among its tokens
         parts += [targets for _, _, targets, _ in prompt]
         packed = async_tensor_h2d(np.concatenate(parts), torch.int64, self.device) if parts else None
-        every_token = num_logits == T and (num_verify_logits == T or (num_sample_logits == T and not verify_rows))
+        # Every token a verify token, or a sampling row, in step order (then no prompt position has logits).
+        every_token = num_verify_logits == T or (num_sample_logits == T and not sample_gather)
         logits = None
         if num_logits:
             # A step whose logits rows are its tokens in order needs no gather (a decode step, a re-cut verify).
@@ -141,6 +144,10 @@ class SampleStep:
         return StepTokens(sample_rows, sampled, verify_rows, verified,
                           greedy_in_graph=tail is not None and (sample_in_graph or not sample_rows)
                           and (verify_in_graph or not verify_rows))
+
+    @staticmethod
+    def any_prompt_logprobs(out: SchedulerOutput) -> bool:
+        return any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled)
 
     @staticmethod
     def _prompt_rows(out: SchedulerOutput, ends: list[int]) -> list[tuple[str, int, np.ndarray, int]]:
