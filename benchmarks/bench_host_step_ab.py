@@ -67,7 +67,7 @@ def run_cases(args) -> dict:
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=str(DEFAULT_MODEL_DIR), tokenizer=str(TINY_TOKENIZER_DIR), device=args.device, dtype=args.dtype,
             max_num_seqs=max(counts), max_num_batched_tokens=8192, max_model_len=max_model_len,
-            kv_cache_memory_bytes=max(512 << 20, max(counts) * max_model_len * 2048) if args.device == "cpu" else None,
+            kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.device == "cpu" else None,
             speculative_config=spec, enforce_eager=args.enforce_eager))
         if args.stub_model:
             runner = engine.runner
@@ -91,7 +91,8 @@ def run_cases(args) -> dict:
                 engine.step()
                 times.append((time.perf_counter() - t0 - engine._waited) * 1e6)
             if len(engine.scheduler.running) != n:
-                raise RuntimeError(f"{kind} N={n}: {len(engine.scheduler.running)} requests ran to the end")
+                raise RuntimeError(f"{kind} N={n}: {len(engine.scheduler.running)} requests running at the end "
+                                   "(finished, or preempted for want of cache: raise --kv-cache-gib)")
             results[f"{kind} N={n}"] = times
             engine.abort_request(rids)
             while engine.has_unfinished_requests():
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--stub-model", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="the cache budget on CPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.worker:
