@@ -3,6 +3,7 @@ prompt-logprob positions) and each consumer reads its slice. A step mixing all t
 what it gets alone, and compute_logits runs once per step."""
 from __future__ import annotations
 
+import pytest
 import torch
 from code_prompts import CODE_PROMPTS
 
@@ -37,8 +38,11 @@ def test_verify_sample_and_prompt_logprob_rows_share_one_logits_pass():
     got = llm.generate([code[0], code[1], scored], [greedy, greedy, logprobs], use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    assert [[(t, round(lp.logprob, 4)) for t, lp in (row or {}).items()] for row in got[2].prompt_logprobs] == \
-        [[(t, round(lp.logprob, 4)) for t, lp in (row or {}).items()] for row in want[2].prompt_logprobs]
+    # The same tokens; the logprobs within float32 noise (a row's logits come from a batch of another size).
+    for g, w in zip(got[2].prompt_logprobs, want[2].prompt_logprobs):
+        assert list((g or {}).keys()) == list((w or {}).keys())
+        assert [lp.logprob for lp in (g or {}).values()] == \
+            pytest.approx([lp.logprob for lp in (w or {}).values()], abs=1e-3)
     assert got[2].outputs[0].logprobs is not None and len(got[2].outputs[0].logprobs) == 6
     calls_per_step = [b[1] - a[1] for a, b in zip(steps, steps[1:] + [(None, len(calls))])]
     assert max(calls_per_step) == 1, "one compute_logits per step"
