@@ -75,6 +75,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # explicit cache budget (CPU default: 4 GiB)
     mamba_ssm_cache_dtype: torch.dtype = torch.float32
+    # Prefix caching (core/prefix_cache.py): MLA blocks reused by hash and KDA state snapshots, taken every
+    # `kda_snapshot_interval` tokens while a request decodes (and where a prompt needs one, see docs/prefix_caching.md);
+    # `num_kda_snapshots` None: sized with the cache (at most a quarter of it).
+    enable_prefix_caching: bool = True
+    kda_snapshot_interval: int = 256
+    num_kda_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 8, 16, 32, 64, 128), "--block-size", self.block_size,
@@ -85,6 +91,11 @@ class CacheConfig:
                  "--num-gpu-blocks-override", self.num_gpu_blocks_override, "an integer >= 1")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "--kv-cache-memory-bytes",
                  self.kv_cache_memory_bytes, "a positive number of bytes")
+        _require(self.kda_snapshot_interval >= self.block_size and self.kda_snapshot_interval % self.block_size == 0,
+                 "--kda-snapshot-interval", self.kda_snapshot_interval,
+                 f"a positive multiple of --block-size ({self.block_size})")
+        _require(self.num_kda_snapshots is None or self.num_kda_snapshots >= 0, "--num-kda-snapshots",
+                 self.num_kda_snapshots, "an integer >= 0")
 
 
 @dataclass(slots=True)

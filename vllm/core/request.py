@@ -53,6 +53,13 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Prefix caching: prompt tokens found in the cache when the request was first scheduled (RequestOutput's
+    # num_cached_tokens); the chain hashes of its full blocks, extended as its tokens are known; the prompt
+    # positions whose chunk ends there for a KDA snapshot; and the next decode position that takes one.
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    snapshot_cuts: list[int] = field(default_factory=list)
+    next_snapshot: int = 0
     # Speculative decoding. `speculate`: the engine may draft for this request (its sampling needs nothing the
     # rejection sampler lacks). `spec_token_ids`: drafts proposed after the last step, verified in the next one.
     # `num_accepted_tokens`: tokens the last step kept (1 + accepted drafts); KDA layers read the state from

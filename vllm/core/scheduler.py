@@ -44,23 +44,49 @@ class ScheduledRequest:
         return -1 if self.is_prefilling else len(self.draft_token_ids)
 
 
+_KEEPS_SNAPSHOTS = (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
+@dataclass(slots=True)
+class SnapshotSave:
+    """A copy of a row's KDA state at `position` (a block boundary) into snapshot `slot`, made after the step's
+    forward. A prompt chunk ends there; a decode row may reach it, which the device decides (the host learns
+    which saves took in the step's output, update_from_output)."""
+    row: int
+    position: int
+    slot: int
+    request: Request
+    prefill: bool
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Prefix caching: (snapshot slot, request's state slot) copies before the forward, for requests admitted
+    # with a cached prefix; and the snapshots to take after it.
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[SnapshotSave] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, snapshot_interval: int = 256) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.snapshot_interval = snapshot_interval
+        # Snapshots are taken only where they can be found again: prefix caching over KDA layers.
+        self.takes_snapshots = kv_cache_manager.prefix_caching and kv_cache_manager.needs_slots
         self.num_spec = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
         self.num_preemptions_total = 0
+        # Prefix caching, in tokens since start: prompt tokens looked up, and those found (upstream's
+        # vllm:prefix_cache_queries / _hits). A preempted request's lookup on readmission counts again.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -88,7 +114,7 @@ class Scheduler:
             if self._finishes_in_flight(req):
                 i += 1
                 continue
-            n = min(req.num_scheduled_tokens_left, budget)
+            n = self._cut(req, min(req.num_scheduled_tokens_left, budget))
             drafts = self._drafts(req, n, budget) if self.num_spec else []
             if req.num_spec_in_flight and req.num_computed_tokens + n + len(drafts) > self.config.max_model_len:
                 # Placed after every draft in flight, the row would pass --max-model-len (where the true one
@@ -111,10 +137,22 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a token still in flight: its prefill needs it
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            hit = self.kv.lookup(req) if self.kv.prefix_caching else None
+            start = hit.num_tokens if hit is not None else 0
+            self._plan_snapshots(req, hit)
+            n = self._cut(req, min(req.num_tokens - start, budget), start)
+            if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
+            if start:
+                req.num_computed_tokens = start
+                if hit.snapshot is not None:
+                    out.restores.append((hit.snapshot, self.kv.state_slots(req.request_id)[0]))
+            if hit is not None:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += start
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = start
             req.status = RequestStatus.RUNNING
             req.num_prefill_tokens = req.num_tokens
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
@@ -122,7 +160,50 @@ class Scheduler:
             scheduled.append((req, n, []))
             budget -= n
         out.scheduled = [self._scheduled(req, n, drafts) for req, n, drafts in scheduled]
+        if self.takes_snapshots:
+            self._plan_saves(out)
         return out
+
+    # ---- prefix caching: where KDA state snapshots are taken (docs/prefix_caching.md) -------------------------
+    def _plan_snapshots(self, req: Request, hit) -> None:
+        """At admission: the prompt positions whose chunk ends there so the state there can be kept (the last
+        block boundary of the prompt, for the next turn of a conversation; and the end of a long run of cached
+        blocks without a snapshot, a shared prefix seen before), and the first decode position that takes one
+        (then every snapshot interval)."""
+        if not self.takes_snapshots:
+            return
+        bs, interval = self.kv.block_size, self.snapshot_interval
+        start = hit.num_tokens if hit is not None else 0
+        last = (req.num_tokens - 1) // bs * bs
+        shared = hit.num_cached_blocks * bs if hit is not None else 0
+        req.snapshot_cuts = [c for c in (shared if shared - start >= interval else 0, last) if start < c <= last]
+        req.next_snapshot = max(last, start) + interval
+
+    def _cut(self, req: Request, n: int, start: int | None = None) -> int:
+        """n prompt tokens from `start` (the computed ones), cut at the first snapshot position inside them."""
+        if req.snapshot_cuts and req.is_prefilling or start is not None:
+            c = req.num_computed_tokens if start is None else start
+            for cut in req.snapshot_cuts:
+                if c < cut < c + n:
+                    return cut - c
+        return n
+
+    def _plan_saves(self, out: SchedulerOutput) -> None:
+        """The snapshots this step takes: a prompt chunk that ends on a snapshot position, and a decode row that
+        may reach its request's next decode position (its true start may be as many tokens back as it has
+        drafts in flight; the device copies the state only if the row's accepted tokens reach it)."""
+        for row, s in enumerate(out.scheduled):
+            req = s.request
+            end = s.num_computed_tokens + s.num_tokens
+            if s.is_prefilling:
+                position = end if end in req.snapshot_cuts else 0
+            else:
+                b = req.next_snapshot
+                position = b if s.num_computed_tokens - s.num_spec_in_flight < b <= end else 0
+            if position:
+                slot = self.kv.reserve_snapshot()
+                if slot is not None:
+                    out.saves.append(SnapshotSave(row, position, slot, req, s.is_prefilling))
 
     @staticmethod
     def _scheduled(req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
@@ -193,19 +274,24 @@ class Scheduler:
         req.num_spec_in_flight = 0
         req.spec_token_ids = []
         req.num_accepted_tokens = 1
+        req.snapshot_cuts, req.next_snapshot = [], 0
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           saved: list[bool] | None = None) -> list[Request]:
         """Advance the scheduled requests, append their sampled tokens, and finish those that stop.
 
-        `sampled` holds each sampling request's new tokens: its accepted drafts, then one more. Returns the
-        requests that got new tokens this step (finished ones included, with their status).
+        `sampled` holds each sampling request's new tokens: its accepted drafts, then one more. `saved`: which
+        of the step's snapshot saves took. Returns the requests that got new tokens this step (finished ones
+        included, with their status).
         """
         updated = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted, or stopped by the step before, while the step ran
                 continue
+            if s.is_prefilling and req.status is RequestStatus.RUNNING:
+                self.kv.cache_blocks(req, s.num_computed_tokens + s.num_tokens)  # a prompt chunk's cache is final
             tokens = sampled[req.request_id] if s.samples else []
             accepted = max(len(tokens) - 1, 0)
             req.num_output_placeholders -= s.samples
@@ -229,12 +315,36 @@ class Scheduler:
                     self.finish(req, status)
                     break
             updated.append(req)
+        self._settle_saves(out, saved)  # after the tokens: a snapshot's key hashes the tokens before it
         return updated
 
+    def _settle_saves(self, out: SchedulerOutput, saved: list[bool] | None) -> None:
+        """Caches the snapshots the step took, frees the slots of those it did not. A request running (or that
+        ran to its end) has not been preempted since the step (admission waits a step after a preemption), so
+        its blocks hold the cache before the snapshot; one that stopped before the snapshot's position (on a
+        stop token among accepted drafts) does not keep it."""
+        assert saved is not None or not out.saves, "a step with snapshot saves reports which took"
+        for save, took in zip(out.saves, saved or ()):
+            req = save.request
+            if took and req.status in _KEEPS_SNAPSHOTS and req.num_tokens >= save.position:
+                self.kv.commit_snapshot(req, save.position, save.slot, decoding=not save.prefill)
+                if not save.prefill and save.position == req.next_snapshot:
+                    req.next_snapshot += self.snapshot_interval
+            else:
+                self.kv.discard_snapshot(save.slot)
+
+    def discard_saves(self, out: SchedulerOutput) -> None:
+        """The step failed: none of its snapshots is kept."""
+        self._settle_saves(out, [False] * len(out.saves))
+
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark finished (stop, length or abort) and free everything the request holds."""
+        """Mark finished (stop, length or abort) and free everything the request holds; a request that ran to
+        its end leaves its full blocks cached (every token but the last was computed)."""
         if req.status.finished:
             return
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) \
+                and req.status is RequestStatus.RUNNING:
+            self.kv.cache_blocks(req, req.num_tokens - 1)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -73,8 +73,6 @@ ENGINE_ARGS = {a.name: a for a in [
                 ("-dp",), int, _one),
     UpstreamArg("enable_expert_parallel", IGNORED, "on one device every expert is local", ("-ep",), None),
     UpstreamArg("distributed_executor_backend", IGNORED, "there is one worker, in the engine's process"),
-    UpstreamArg("enable_prefix_caching", IGNORED, "prefix caching is not built: every prompt is computed in full "
-                "(outputs are the same, only slower for shared prefixes)", (), None, _is(False)),
     UpstreamArg("enable_chunked_prefill", IGNORED, "chunked prefill is always on (--max-num-batched-tokens sets "
                 "the chunk)", (), None, _is(True)),
     UpstreamArg("max_logprobs", IGNORED, "the limit is fixed at 20 logprobs per token", (), int, _is(20)),

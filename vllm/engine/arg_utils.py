@@ -43,6 +43,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    kda_snapshot_interval: int = 256
+    num_kda_snapshots: int | None = None
     enforce_eager: bool = False
     mamba_ssm_cache_dtype: str = "float32"
     attention_backend: str = "auto"
@@ -89,6 +92,16 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per MLA latent-cache block")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                        help="force the number of MLA cache blocks (tests use it to force preemption)")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching,
+                       help="reuse the cache of prompt prefixes seen before (MLA blocks by hash, KDA state "
+                            "snapshots); on by default, as upstream")
+        g.add_argument("--kda-snapshot-interval", type=int, default=d.kda_snapshot_interval,
+                       help="tokens between the KDA state snapshots a decoding request leaves for prefix caching "
+                            "(a multiple of --block-size): a later turn recomputes at most this many of its history")
+        g.add_argument("--num-kda-snapshots", type=int, default=None,
+                       help="KDA state snapshot slots for prefix caching (default: 4 per --max-num-seqs request, at "
+                            "most a quarter of the cache budget)")
         g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and prepare each step while the GPU runs the one before (default: on with "
@@ -155,7 +168,10 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                                      num_gpu_blocks_override=self.num_gpu_blocks_override,
                                      kv_cache_memory_bytes=kv_bytes,
-                                     mamba_ssm_cache_dtype=STATE_DTYPES[self.mamba_ssm_cache_dtype]),
+                                     mamba_ssm_cache_dtype=STATE_DTYPES[self.mamba_ssm_cache_dtype],
+                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     kda_snapshot_interval=self.kda_snapshot_interval,
+                                     num_kda_snapshots=self.num_kda_snapshots),
             scheduler_config=SchedulerConfig(max_num_seqs=EngineArgs.max_num_seqs if self.max_num_seqs is None
                                              else self.max_num_seqs,  # None: the default, as upstream
                                              max_num_batched_tokens=self.max_num_batched_tokens

@@ -55,7 +55,8 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.kv_cache_manager = self.runner.initialize_cache()
         self.num_spec = config.num_speculative_tokens
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec,
+                                   config.cache_config.kda_snapshot_interval)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
@@ -160,6 +161,11 @@ class LLMEngine:
         return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
             and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (blocks and snapshots not held by a request); True once done, as
+        upstream's LLM.reset_prefix_cache()."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     @property
     def model_config(self):
         """Upstream's `llm.llm_engine.model_config` (max_model_len, dtype, ...)."""
@@ -234,7 +240,7 @@ class LLMEngine:
                 s.request.suspect = False  # it sampled in a step that worked: not the cause of an earlier failure
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
-        updated = self.scheduler.update_from_output(sched, result.sampled)
+        updated = self.scheduler.update_from_output(sched, result.sampled, result.snapshots_saved)
         outputs, stopped, failed = self.output_processor.process(updated, result.logprobs)
         for rid, status in [(rid, RequestStatus.FINISHED_STOPPED) for rid in stopped] + \
                 [(rid, RequestStatus.FINISHED_ERROR) for rid in failed]:
@@ -252,6 +258,7 @@ class LLMEngine:
         fault: it alone finishes with finish_reason "error" and everything it held is freed. A request in
         MAX_FAILED_STEPS failed steps fails too, so a fault that needs company cannot loop forever."""
         reqs = [s.request for s in sched.scheduled]
+        self.scheduler.discard_saves(sched)
         for s in sched.scheduled:
             s.request.num_output_placeholders -= s.samples  # the step's tokens never come
         culprits = [r for r in reqs if len(reqs) == 1 or r.num_failed_steps + 1 >= MAX_FAILED_STEPS]

@@ -27,6 +27,7 @@ class CacheLayout:
     block_bytes: int  # all MLA layers (and a DSpark draft's context caches), one block
     slot_bytes: int  # all KDA layers, one request's conv + recurrent state
     budget_bytes: int
+    num_snapshot_slots: int = 0  # KDA state snapshots for prefix caching, in slots after the requests' ones
 
 
 def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
@@ -70,22 +71,31 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
                              f"({per_request} x {slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
                              "--kv-cache-memory-bytes, use --mamba-ssm-cache-dtype bfloat16, or lower "
                              "num_speculative_tokens")
+    snapshots = 0
+    if slot_bytes and cc.enable_prefix_caching:
+        # By default 4 per request the batch can hold, at most a quarter of the budget: a conversation's next
+        # turn needs one, a shared prompt one more, and LRU keeps the rest for who comes back.
+        snapshots = cc.num_kda_snapshots if cc.num_kda_snapshots is not None else \
+            min(4 * sc.max_num_seqs, max(budget // 4, 0) // slot_bytes)
     needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
     if cc.num_gpu_blocks_override is not None:
         blocks = cc.num_gpu_blocks_override
     else:
         # More blocks than max_num_seqs full-length requests can ever hold would be memory nobody uses.
-        blocks = min((budget - slots * slot_bytes) // block_bytes, sc.max_num_seqs * needed) if block_bytes else 0
+        blocks = min((budget - (slots + snapshots) * slot_bytes) // block_bytes, sc.max_num_seqs * needed) \
+            if block_bytes else 0
     if blocks < needed:
         raise ValueError(f"the MLA cache holds {blocks} blocks = {blocks * cc.block_size} tokens, fewer than one "
                          f"request of --max-model-len={sc.max_model_len}; lower --max-model-len or give the cache "
                          "more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)")
-    layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget)
-    logger.info("cache: %d MLA blocks x %d tokens (%.1f KiB each, %d bytes/token), %d KDA state slots "
-                "(%.2f MiB each, %s state); budget %.1f MiB, activation peak %.1f MiB, CUDA graphs %.1f MiB",
-                blocks, cc.block_size, block_bytes / 1024, block_bytes // max(cc.block_size, 1), slots,
-                slot_bytes / 2**20, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / 2**20,
-                activation_peak_bytes / 2**20, graph_bytes / 2**20)
+    layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget, snapshots)
+    mib = 2**20
+    logger.info("cache capacity: %d MLA tokens (%d blocks x %d, %.1f MiB), %d KDA state slots (%.1f MiB), %d KDA "
+                "snapshot slots for prefix caching (%.1f MiB); %.2f MiB per state (%s); budget %.1f MiB, activation "
+                "peak %.1f MiB, CUDA graphs %.1f MiB", blocks * cc.block_size, blocks, cc.block_size,
+                blocks * block_bytes / mib, slots, slots * slot_bytes / mib, snapshots, snapshots * slot_bytes / mib,
+                slot_bytes / mib, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / mib,
+                activation_peak_bytes / mib, graph_bytes / mib)
     return layout
 
 

@@ -33,6 +33,7 @@ from vllm.worker.input_batch import InputBatch
 from vllm.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.worker.sample_step import SampleStep
 from vllm.worker.sampling_state import SamplingState
+from vllm.worker.snapshots import StateSnapshots
 from vllm.worker.verify_costs import build_adaptive_verifier
 from vllm.worker.warmup import eager_warmup_steps
 
@@ -142,10 +143,14 @@ class ModelRunner:
                                   self._attn_metadata)
         graph_bytes = self.graphs.measure_bytes(lambda n: self._bind_caches(n, 1))
         self.layout = lay = plan_cache(self.config, peak, graph_bytes)
-        self._bind_caches(lay.num_blocks, lay.num_state_slots)
+        caches = self._bind_caches(lay.num_blocks, lay.num_state_slots + lay.num_snapshot_slots)
+        self.snapshots = StateSnapshots([t for c in caches for t in (c.conv_state, c.ssm_state) if t is not None],
+                                        self.device)
         kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
                             needs_blocks=bool(self.hf_config.mla_layers) or self.drafter is not None,
-                            needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec)
+                            needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec,
+                            enable_prefix_caching=self.config.cache_config.enable_prefix_caching,
+                            snapshot_slots=range(lay.num_state_slots, lay.num_state_slots + lay.num_snapshot_slots))
         self.graphs.capture(graph_bytes)
         if self.device.type == "cuda":  # elsewhere nothing compiles (torch kernels, or Triton's interpreter)
             self.warm_up_eager_steps()
@@ -253,10 +258,14 @@ class ModelRunner:
         prediction = self.adaptive_verifier.take_prediction() if self.adaptive_verifier is not None else None
         if prediction is not None and trimmed is not None:
             prediction.device_lens = async_tensor_d2h(device_lens)
+        self.snapshots.restore(out.restores)  # prefix cache hits' states, before the forward reads them
         hidden, tail = self.graphs.run(common)
         result = AsyncModelRunnerOutput(num_tokens=common.num_actual_tokens, recut=trimmed is not None,
                                         survival_prediction=prediction)
         tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result)
+        saved = self.snapshots.save(out.saves, common, self.input_batch.positions.gpu, tokens)
+        if saved is not None:
+            result.snapshots_saved_host = async_tensor_d2h(saved)
         if self.drafter is not None:
             verifier = self.adaptive_verifier
             self.drafting.draft_on_device(out, common, tokens, tail, self.input_batch.positions.gpu,

@@ -24,6 +24,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     # per request: rows for the prompt positions this step covered (first prompt token has none)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # per snapshot save of the step (SchedulerOutput.saves): whether it took
+    snapshots_saved: list[bool] | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class AsyncModelRunnerOutput:
     # Adaptive verification: what the budget of this all-verify step predicted, which its accepted drafts
     # calibrate (AdaptiveVerifier.observe); None for other steps.
     survival_prediction: SurvivalPrediction | None = None
+    snapshots_saved_host: torch.Tensor | None = None  # which of the step's snapshot saves took
 
     @property
     def in_flight_tokens(self) -> InFlightTokens | None:
@@ -95,6 +98,8 @@ class AsyncModelRunnerOutput:
             for rid, row in zip(self.verify_rows, self.verified_host.tolist()):
                 # Accepted drafts are never placeholders, so the row's tokens are its non-placeholder prefix.
                 result.sampled[rid] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        if self.snapshots_saved_host is not None:
+            result.snapshots_saved = self.snapshots_saved_host.tolist()
         for rid, host in self.prompt_logprobs_host.items():
             t = host.lists()
             result.prompt_logprobs[rid] = list(zip(t[0], t[1], t[2]))
