@@ -1,8 +1,9 @@
 """Beam search over the engine, as upstream's `LLM.beam_search`: every step asks the engine for one token with
 the top 2 x beam_width logprobs of each live beam, extends each beam by each of them, and keeps the beam_width
 best by length-penalised cumulative logprob. Finished beams (eos, unless ignore_eos) are set aside; at the end
-the beam_width best of finished and live beams come back, best first. Each step recomputes every beam's prefix
-(there is no prefix caching), so this costs O(max_tokens^2) tokens: a tool for short answers."""
+the beam_width best of finished and live beams come back, best first. Each step sends every beam whole as a
+prompt: without the prefix cache (--no-enable-prefix-caching) that costs O(max_tokens^2) tokens, a tool for short
+answers; with it, the engine skips what its cache holds of each beam's prefix."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -82,7 +83,7 @@ def beam_search_steps(decode: Callable[[list[int]], str] | None, prompts: Sequen
     the results. `decode` turns ids into text (None: the caller decodes, texts stay None).
 
     Host work per step is O(1) per candidate; only the beams kept to run the next step are spelt out, as the
-    engine's prompts (the engine re-reads them whole anyway: there is no prefix caching yet)."""
+    engine's prompts (the engine reads them whole anyway, from its prefix cache where it holds them)."""
     width = params.beam_width
     live = [[_Beam(None, -1, None, 0.0, len(p), tokens=list(p))] for p in prompts]
     done: list[list[_Beam]] = [[] for _ in prompts]  # each prompt's best `width` finished beams so far

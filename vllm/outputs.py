@@ -108,6 +108,7 @@ class OutputJoiner:
         if head.prompt_logprobs is None:
             head.prompt_logprobs = out.prompt_logprobs
         head.finished, head.metrics, head.error = out.finished, out.metrics, out.error
+        head.num_cached_tokens = out.num_cached_tokens
 
     def pop(self) -> RequestOutput:
         """The joined output; the joiner is empty again."""

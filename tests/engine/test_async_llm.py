@@ -1,8 +1,9 @@
 """AsyncLLM: concurrent streams equal offline greedy outputs; cancellation frees the cache at once; bad input
 fails only its request; shutdown ends requests in flight. In the front end's process (internals checked), and
 with the engine core in a process of its own: streams equal offline, bad input fails alone with the engine's own
-message, a cancelled stream is aborted in the core, shutdown leaves every block and slot free, a bad checkpoint
-fails start-up with its message, and a core that dies fails the requests in flight instead of hanging them."""
+message (as does a bad call into the core), a cancelled stream is aborted in the core, shutdown leaves every block
+and slot free, a bad checkpoint fails start-up with its message, and a core that dies fails the requests in flight
+instead of hanging them."""
 from __future__ import annotations
 
 import asyncio
@@ -132,6 +133,10 @@ def test_streams_equal_offline_bad_input_fails_alone_and_everything_is_freed():
         results = await asyncio.gather(*good, text)
         with pytest.raises(ValueError, match="exceeds --max-model-len"):
             await collect(engine, list(range(5, 250)), SamplingParams(max_tokens=50), "bad")
+        # A call into the core process fails alone too; reset_prefix_cache is one that runs there.
+        with pytest.raises(AttributeError, match="no_such_method"):
+            await engine.client.call("no_such_method")
+        assert await engine.reset_prefix_cache() is True
         await engine.shutdown()
         return engine, results
 

@@ -55,7 +55,9 @@ def _caches(llm):
 
 
 def test_warm_up_touches_no_request_state():
-    llm = LLM(max_model_len=256, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+    # No prefix caching: the pools are overwritten below, cached prefixes included, and the prompts run again.
+    llm = LLM(max_model_len=256, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [[5 + i] * (9 + 7 * i) for i in range(4)]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

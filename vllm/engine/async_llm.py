@@ -141,6 +141,12 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.client.stats()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets the cached prefixes (upstream's AsyncLLM.reset_prefix_cache); run by the engine core between
+        steps. True once done."""
+        self.start()
+        return await self.client.call("reset_prefix_cache")
+
     # ---- the client's OutputSink ------------------------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput], rejected: Rejected) -> None:
         for out in outputs:

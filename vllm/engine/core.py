@@ -7,9 +7,11 @@ in this module's process, which owns the GPU and steps as fast as the model runs
 (in one process the event loop and the step share the GIL; upstream's reason for its engine core process).
 
 The process protocol: one pipe each way, one pickled tuple per message.
-- front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (SHUTDOWN,);
+- front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (CALL, call_id, method, args),
+  (SHUTDOWN,);
 - core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, outputs,
-  rejected, stats) after each loop turn that changed something, and (STOPPED, outputs, rejected, stats) last.
+  rejected, stats) after each loop turn that changed something, (RESULT, call_id, value, error) for each CALL
+  (an EngineCore method run between steps, e.g. reset_prefix_cache), and (STOPPED, outputs, rejected, stats) last.
   `rejected` holds (request_id, exception) for requests that end with an error instead of an output. Outputs
   travel as tuples (`serial_utils.py`) without their prompt (text and ids), which the front end has and puts
   back: a long prompt would otherwise be pickled again at every step of its request.
@@ -39,8 +41,8 @@ from vllm.worker.compile_watch import COMPILE_WATCH
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-READY, FAILED, OUTPUTS, STOPPED = "ready", "failed", "outputs", "stopped"
+ADD, ABORT, CALL, SHUTDOWN = "add", "abort", "call", "shutdown"
+READY, FAILED, OUTPUTS, RESULT, STOPPED = "ready", "failed", "outputs", "result", "stopped"
 
 
 @dataclass(slots=True)
@@ -58,6 +60,11 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # engine-wide speculative-decoding counters
     num_preemptions_total: int = 0
     iteration_tokens: IterationTokens | None = None  # tokens per engine step, as a histogram
+    # Prefix caching, in tokens since start: looked up and found by the scheduler (a preempted request's lookup
+    # counts again), and found per request, counted once at its first token (upstream's prompt_tokens_cached).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_cached: int = 0
 
 
 # Upstream's buckets for vllm:iteration_tokens_total.
@@ -151,7 +158,20 @@ class EngineCore:
                            kv.block_pool.num_blocks, len(kv.free_slots), kv.num_state_slots - 1,
                            self.prompt_tokens_total, engine.output_processor.num_generation_tokens,
                            engine.spec_decode_stats, sched.num_preemptions_total,
-                           dataclasses.replace(self.iteration_tokens, counts=list(self.iteration_tokens.counts)))
+                           dataclasses.replace(self.iteration_tokens, counts=list(self.iteration_tokens.counts)),
+                           sched.prefix_cache_queries, sched.prefix_cache_hits,
+                           engine.output_processor.num_prompt_tokens_cached)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def call(self, method: str, args: tuple) -> tuple[object, Exception | None]:
+        """A front end's call of one of these methods: (its value, None), or (None, what it raised), which
+        fails that call alone."""
+        try:
+            return getattr(self, method)(*args), None
+        except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
+            return None, portable(e)
 
 
 def portable(error: BaseException) -> Exception:
@@ -202,6 +222,8 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
                     rejected.append((msg[1], portable(error)))
             elif msg[0] == ABORT:
                 outputs += core.abort(msg[1])
+            elif msg[0] == CALL:
+                outbox.send((RESULT, msg[1], *core.call(msg[2], msg[3])))
             else:
                 stopping = True
                 break

@@ -1,7 +1,8 @@
 """How the front end (AsyncLLM) reaches the engine core: in its own process or in a process of the core's own.
 
 Both clients take requests and aborts at any time from the event loop, hand each turn's outputs to the
-`OutputSink` the front end gives `start()`, and answer `stats()` without waiting:
+`OutputSink` the front end gives `start()`, answer `stats()` without waiting, and run `call()` (an EngineCore
+method such as reset_prefix_cache) between two steps:
 - `InprocClient` steps the core in a worker thread of the front end's process. All engine mutations (add,
   abort, step) happen in its loop task, one at a time: requests and aborts are queued and applied between
   steps, so the engine needs no locks. Tests use it to reach the engine's internals.
@@ -13,6 +14,7 @@ Both clients take requests and aborts at any time from the event loop, hand each
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -20,8 +22,8 @@ import threading
 from typing import Protocol
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.core import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, STOPPED, EngineCore, EngineStats,
-                              Rejected, run_engine_core)
+from vllm.engine.core import (ABORT, ADD, CALL, FAILED, OUTPUTS, READY, RESULT, SHUTDOWN, STOPPED, EngineCore,
+                              EngineStats, Rejected, run_engine_core)
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.engine.serial_utils import unpack_outputs
 from vllm.outputs import RequestOutput
@@ -50,6 +52,7 @@ class InprocClient:
         self._sink: OutputSink | None = None
         self._requests: list[tuple[str, PromptType, SamplingParams]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[str, tuple, asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -73,6 +76,15 @@ class InprocClient:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    async def call(self, method: str, *args):
+        """EngineCore.`method`(*args), run by the loop between steps (never during one)."""
+        if self.dead or self._stopping:
+            raise RuntimeError("the engine loop is not running")
+        future = asyncio.get_running_loop().create_future()
+        self._calls.append((method, args, future))
+        self._wakeup.set()
+        return await future
+
     async def shutdown(self) -> None:
         """Stops the loop; requests still in flight end with finish_reason 'abort'."""
         self._stopping = True
@@ -88,12 +100,13 @@ class InprocClient:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_requests()
+            self._run_calls()
             if self._stopping:
                 self._sink.on_outputs(self.core.abort_all(), [])
                 return
             if not self.core.has_work():
                 self._wakeup.clear()
-                if not (self._requests or self._aborts or self._stopping):
+                if not (self._requests or self._aborts or self._calls or self._stopping):
                     await self._wakeup.wait()
                 continue
             self._sink.on_outputs(*await loop.run_in_executor(None, self.core.step))
@@ -105,7 +118,12 @@ class InprocClient:
             return
         self.dead = True
         error = task.exception()
-        self._sink.on_engine_dead(RuntimeError(f"the engine loop failed: {type(error).__name__}: {error}"))
+        dead = RuntimeError(f"the engine loop failed: {type(error).__name__}: {error}")
+        calls, self._calls = self._calls, []
+        for _, _, future in calls:
+            if not future.done():
+                future.set_exception(dead)
+        self._sink.on_engine_dead(dead)
 
     def _apply_requests(self) -> None:
         requests, self._requests = self._requests, []
@@ -115,6 +133,16 @@ class InprocClient:
         outputs = self.core.abort(aborts) if aborts else []
         if rejected or outputs:
             self._sink.on_outputs(outputs, rejected)
+
+    def _run_calls(self) -> None:
+        calls, self._calls = self._calls, []
+        for method, args, future in calls:
+            value, error = self.core.call(method, args)
+            if not future.done():  # its caller may have been cancelled
+                if error is None:
+                    future.set_result(value)
+                else:
+                    future.set_exception(error)
 
 
 class MPClient:
@@ -140,6 +168,8 @@ class MPClient:
         self._stopped: asyncio.Future | None = None
         # Prompts of the requests in flight, put back on their outputs (the core sends them without).
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._calls: dict[int, asyncio.Future] = {}  # calls sent, by id, until the core answers
+        self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="engine-core-sender", daemon=True)
         self._sender.start()
@@ -176,6 +206,18 @@ class MPClient:
         if not self.dead:
             self._outbox.put((ABORT, request_id))
 
+    async def call(self, method: str, *args):
+        """EngineCore.`method`(*args), run in the core process between steps."""
+        if self.dead or self._closed:
+            raise RuntimeError("the engine process is not running")
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = self._loop.create_future()
+        self._outbox.put((CALL, call_id, method, args))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     async def shutdown(self) -> None:
         """Asks the core to abort what is in flight and exit (its outputs arrive first), then reaps it."""
         if self._closed:
@@ -207,10 +249,15 @@ class MPClient:
     def _on_readable(self) -> None:
         try:
             while self._from_core.poll():
-                kind, packed, rejected, self._stats = self._from_core.recv()
+                msg = self._from_core.recv()
+                if msg[0] == RESULT:
+                    self._answer(*msg[1:])
+                    continue
+                kind, packed, rejected, self._stats = msg
                 self._deliver(unpack_outputs(packed), rejected)
-                if kind == STOPPED:
+                if kind == STOPPED:  # calls sent before SHUTDOWN were answered before this
                     self._close_reader()
+                    self._fail_calls(RuntimeError("the engine process stopped"))
                     self._stopped.set_result(None)
                     return
                 assert kind == OUTPUTS, kind
@@ -227,11 +274,26 @@ class MPClient:
             self._prompts.pop(rid, None)
         self._sink.on_outputs(outputs, rejected)
 
+    def _answer(self, call_id: int, value, error: Exception | None) -> None:
+        future = self._calls.get(call_id)
+        if future is None or future.done():  # its caller was cancelled
+            return
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+    def _fail_calls(self, error: Exception) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
     def _engine_died(self) -> None:
         self.dead = True
         self.proc.join(1)
         error = RuntimeError(f"the engine process died (exit code {self.proc.exitcode}); its log says why")
         self._prompts.clear()
+        self._fail_calls(error)
         self._stopped.set_result(None)
         self._sink.on_engine_dead(error)
 

@@ -59,6 +59,9 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_parent: dict[str, tuple[str, int]] = {}
         self.num_generation_tokens = 0  # tokens of every finished request (aborted ones too), for metrics
+        # Prompt tokens found in the prefix cache, per engine request once its first token is out (upstream's
+        # vllm:prompt_tokens_cached; a preempted request's second lookup is not counted again).
+        self.num_prompt_tokens_cached = 0
 
     def add(self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams) -> None:
         states = [ChildState(c, i, IncrementalDetokenizer(self.tokenizer, c.prompt_token_ids, c.sampling_params),
@@ -114,6 +117,8 @@ class OutputProcessor:
 
     def _advance(self, parent: ParentState, child: ChildState, req: Request, logprobs: dict, now: float) -> None:
         new_tokens = req.output_token_ids[child.num_seen:]
+        if child.num_seen == 0 and new_tokens:
+            self.num_prompt_tokens_cached += req.num_cached_tokens
         child.num_seen = len(req.output_token_ids)
         m = parent.metrics
         m.first_scheduled_time = m.first_scheduled_time or req.first_scheduled_time
@@ -192,8 +197,10 @@ class OutputProcessor:
             del self.parents[parent.request_id]
             for c in parent.children:
                 self.child_parent.pop(c.request.request_id, None)
+        # The prompt's cached tokens: the first child's, as upstream reports one prompt's for n > 1.
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_logprobs,
-                             completions, finished, parent.metrics, error=parent.error)
+                             completions, finished, parent.metrics,
+                             num_cached_tokens=parent.children[0].request.num_cached_tokens, error=parent.error)
 
     def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         out = {ids[0]: Logprob(lps[0], rank, self._token_text(ids[0]))}

@@ -73,6 +73,11 @@ class LLM:
         generation_config.json sets (unless --generation-config vllm)."""
         return SamplingParams(**self.llm_engine.config.model_config.get_diff_sampling_param())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt prefix, so the next prompts are computed in full (e.g. between benchmark
+        runs); True once done, as upstream's."""
+        return self.llm_engine.reset_prefix_cache()
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ import pytest
 from vllm import LLM, SamplingParams
 
 PROMPT = "def fibonacci(n):\n"
+LONG_PROMPT = "def add(a, b):\n    return a + b\n\n" * 20  # 280 tokens
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
@@ -49,7 +50,7 @@ def greedy_reference(offline_llm):
 
 def test_upstream_flags_start_the_server_and_say_what_they_change(server):
     err = server.stderr()
-    assert "--enable-prefix-caching=True is accepted but changes nothing here" in err
+    assert "--enable-prefix-caching" not in err  # an engine flag of its own now: nothing to say about it
     assert "--disable-log-stats=True is accepted but changes nothing here" in err
 
 
@@ -75,7 +76,7 @@ def test_return_token_ids_and_prompt_logprobs(http, greedy_reference):
     assert lps[0] is None and len(lps) == len(greedy_reference.prompt_token_ids)
     for tid, row in zip(greedy_reference.prompt_token_ids[1:], lps[1:]):
         assert str(tid) in row and row[str(tid)]["logprob"] <= 0
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # shorter than a block: never cached
 
 
 def test_logit_bias_and_allowed_token_ids(http):
@@ -177,6 +178,20 @@ def test_continuous_usage_stats_in_every_chunk(http):
     assert counts == sorted(counts) and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_a_repeated_long_prompt_is_served_from_the_prefix_cache(http, server, read_metrics):
+    """The same long prompt twice: the second answer's usage counts cached prompt tokens, and /metrics the hits.
+    After /reset_prefix_cache, nothing of it is cached."""
+    assert http.post("/reset_prefix_cache").status_code == 200
+    body = {"prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0}
+    first, second = (http.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["usage"]["prompt_tokens"] >= 200
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second["usage"]["prompt_tokens"]
+    m = read_metrics(server.url)
+    assert m["vllm:prefix_cache_hits_total"] >= cached and m["vllm:prompt_tokens_cached_total"] >= cached
+
+
 def test_chat_template_flag_custom_roles_extra_keys_and_template_kwargs(http, client, offline_llm):
     tpl_ids = http.post("/tokenize", json={"messages": [{"role": "critic", "content": "hi", "mood": "calm"}],
                                            "return_token_strs": True}).json()
@@ -240,6 +255,7 @@ def test_extra_endpoints(http, server):
     assert completion["object"] == "text_completion"
     neither = http.post("/invocations", json={"max_tokens": 2})
     assert neither.status_code == 400 and "needs `messages`" in neither.json()["error"]["message"]
+    assert http.post("/reset_prefix_cache").status_code == 200  # upstream's; through the engine core process
 
 
 def test_unsupported_upstream_flags_fail_naming_them(tmp_path):
@@ -283,6 +299,7 @@ def test_llm_takes_upstream_keywords_and_names_the_rest():
                    SamplingParams(max_tokens=2))
     assert len(out[0].outputs[0].token_ids) == 2
     assert llm.get_default_sampling_params() == SamplingParams()
+    assert llm.reset_prefix_cache() is True
     with pytest.raises(ValueError, match="--pipeline-parallel-size=2 is not supported"):
         LLM(pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"unknown engine arguments \['made_up'\]"):

@@ -49,7 +49,7 @@ def test_adaptive_verification_counters_are_rendered_with_it_only():
 
     def rendered(spec: SpecDecodeStats) -> dict[str, float]:
         stats = EngineStats(0, 0, 0.0, 0.0, 1, 1, 1, 1, 0, 0, spec)
-        cache = SimpleNamespace(block_size=16, gpu_memory_utilization=0.9)
+        cache = SimpleNamespace(block_size=16, gpu_memory_utilization=0.9, enable_prefix_caching=True)
         engine = SimpleNamespace(stats=lambda: stats, config=SimpleNamespace(cache_config=cache))
         text = Metrics(engine, "m").render().decode()
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}

@@ -275,6 +275,15 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
                     "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
                     "vocab_size": len(tok)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Upstream's: forgets the cached prompt prefixes (e.g. between benchmark runs); 409 if the engine could
+        not, as upstream answers."""
+        logger.info("resetting the prefix cache")
+        if not await engine.reset_prefix_cache():
+            raise APIError(409, "the prefix cache could not be reset")
+        return Response(status_code=200)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req = await parse_body(request, TokenizeRequest, limit)

@@ -26,7 +26,8 @@ class _EngineCollector:
         cc = self.engine.config.cache_config
         return {"block_size": str(cc.block_size), "num_gpu_blocks": str(s.num_blocks),
                 "num_state_slots": str(s.num_slots), "cache_dtype": "auto",
-                "gpu_memory_utilization": str(cc.gpu_memory_utilization), "enable_prefix_caching": "False"}
+                "gpu_memory_utilization": str(cc.gpu_memory_utilization),
+                "enable_prefix_caching": str(cc.enable_prefix_caching)}
 
     def collect(self):
         s = self.engine.stats()
@@ -37,20 +38,25 @@ class _EngineCollector:
                    s.state_slot_usage),
                   ("vllm:num_free_blocks", "Free MLA cache blocks.", s.num_free_blocks),
                   ("vllm:num_free_state_slots", "Free KDA recurrent-state slots.", s.num_free_slots)]
-        # There is no prefix cache, so nothing is ever looked up in it: upstream's dashboards still find the names.
-        no_prefix_cache = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (none: "
-                            "prefix caching is not built).", 0),
-                           ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (none).", 0)]
+        # In tokens, as upstream: a request's lookup at admission (again after a preemption) adds its prompt to
+        # the queries and the tokens found to the hits; prompt_tokens_cached counts each request's hit once.
+        prefix_cache = [("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                         s.prefix_cache_queries),
+                        ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+                        ("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache (each request's "
+                         "once).", s.prompt_tokens_cached)]
         if self.show_hidden:  # --show-hidden-metrics-for-version: upstream's deprecated names, same values
             gauges.append(("vllm:gpu_cache_usage_perc", "Deprecated: vllm:kv_cache_usage_perc.", s.kv_cache_usage))
-            no_prefix_cache += [("vllm:gpu_prefix_cache_queries", "Deprecated: vllm:prefix_cache_queries.", 0),
-                                ("vllm:gpu_prefix_cache_hits", "Deprecated: vllm:prefix_cache_hits.", 0)]
+            prefix_cache += [("vllm:gpu_prefix_cache_queries", "Deprecated: vllm:prefix_cache_queries.",
+                              s.prefix_cache_queries),
+                             ("vllm:gpu_prefix_cache_hits", "Deprecated: vllm:prefix_cache_hits.",
+                              s.prefix_cache_hits)]
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         counters = [("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
                     ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total),
                     ("vllm:num_preemptions", "Requests preempted (to be recomputed).", s.num_preemptions_total),
-                    *no_prefix_cache]
+                    *prefix_cache]
         spec = s.spec_decode
         if spec is not None:
             counters += [("vllm:spec_decode_num_drafts", "Verifications with at least one draft token.",

@@ -131,7 +131,8 @@ class OpenAIServingChat(OpenAIServing):
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
         body = {**base, "object": "chat.completion", "choices": choices,
-                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)),
+                "usage": self.settings.usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+                                             last.num_cached_tokens),
                 "service_tier": None, "system_fingerprint": None}  # OpenAI's, null as in upstream's answers
         if req.return_token_ids:
             body["prompt_token_ids"] = last.prompt_token_ids
@@ -142,14 +143,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def stream(self, req: ChatCompletionRequest, outputs, base: dict, parsers: list[ChoiceParser]):
         base = {**base, "object": "chat.completion.chunk"}
-        prompt_tokens, completion_tokens = 0, 0
+        prompt_tokens, completion_tokens, cached_tokens = 0, 0, 0
         final_usage, continuous = self.include_usage(req)
         echo = self.echoed(req)
         try:
             first = True
             async with aclosing(outputs):
                 async for _, out in outputs:  # deltas: each piece of text, ids and logprobs comes once
-                    prompt_tokens = len(out.prompt_token_ids)
+                    prompt_tokens, cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
                     if first:  # the role chunk, with what belongs to the prompt
                         first = False
                         chunk = {**base, "choices": [{"index": i, "delta": {"role": ROLE, "content": echo},
@@ -159,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                             chunk["prompt_token_ids"] = out.prompt_token_ids
                         if req.prompt_logprobs is not None:
                             chunk["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-                        yield sse(self._with_usage(chunk, continuous, prompt_tokens, completion_tokens))
+                        yield sse(self._with_usage(chunk, continuous, prompt_tokens, completion_tokens, cached_tokens))
                     for c in out.outputs:
                         completion_tokens += len(c.token_ids)
                         parser = parsers[c.index]
@@ -176,16 +177,18 @@ class OpenAIServingChat(OpenAIServing):
                         if req.return_token_ids:
                             choice["token_ids"] = c.token_ids
                         yield sse(self._with_usage({**base, "choices": [choice]}, continuous, prompt_tokens,
-                                                   completion_tokens))
+                                                   completion_tokens, cached_tokens))
             if final_usage:
-                yield sse({**base, "choices": [], "usage": self.settings.usage(prompt_tokens, completion_tokens)})
+                yield sse({**base, "choices": [], "usage": self.settings.usage(prompt_tokens, completion_tokens,
+                                                                                cached_tokens)})
         except APIError as e:  # headers are gone: the error becomes the stream's last event
             yield sse(e.body())
         yield DONE
 
-    def _with_usage(self, chunk: dict, continuous: bool, prompt_tokens: int, completion_tokens: int) -> dict:
+    def _with_usage(self, chunk: dict, continuous: bool, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int) -> dict:
         if continuous:
-            chunk["usage"] = self.settings.usage(prompt_tokens, completion_tokens)
+            chunk["usage"] = self.settings.usage(prompt_tokens, completion_tokens, cached_tokens)
         return chunk
 
     def logprobs(self, req: ChatCompletionRequest, ids: list[int],

@@ -63,13 +63,15 @@ class _Run:
         self.base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                      "model": serving.model_name}
         self.prompt_tokens: dict[int, int] = {}  # per prompt
+        self.cached_tokens: dict[int, int] = {}  # per prompt: found in the prefix cache
         self.completion_tokens: dict[int, int] = {}  # per choice, summed over deltas
 
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.req.n + c.index
 
     def usage(self) -> dict:
-        return self.serving.settings.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))
+        return self.serving.settings.usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()),
+                                           sum(self.cached_tokens.values()))
 
     def extras(self, out: RequestOutput, c: CompletionOutput | None, first: bool) -> dict:
         """The vLLM extension fields of a choice: token ids (return_token_ids), prompt_logprobs; the prompt's
@@ -85,6 +87,7 @@ class _Run:
 
     def count(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached_tokens[i] = out.num_cached_tokens
         for c in out.outputs:
             k = self.index(i, c)
             self.completion_tokens[k] = self.completion_tokens.get(k, 0) + len(c.token_ids)

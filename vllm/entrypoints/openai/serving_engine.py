@@ -53,11 +53,13 @@ class ServerSettings:
     show_hidden_metrics: bool = False  # --show-hidden-metrics-for-version: the deprecated metric names too
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: -1 (the whole vocabulary) needs it to cover the vocabulary
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """`cached_tokens`: prompt tokens found in the prefix cache (RequestOutput.num_cached_tokens), summed over
+        the prompts (once per prompt, whatever n)."""
         out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                "total_tokens": prompt_tokens + completion_tokens}
         if self.enable_prompt_tokens_details:
-            out["prompt_tokens_details"] = {"cached_tokens": 0}  # no prefix caching: nothing is ever cached
+            out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return out
 
 
@@ -237,6 +239,7 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         steps = beam_search_steps(None, ids, params, self.engine.config.model_config.eos_token_ids(tok.eos_token_id))
         prompt_lps: list[PromptLogprobs | None] = [None] * len(ids)
+        cached = [0] * len(ids)
         try:
             batch, step = next(steps), 0
             while True:
@@ -247,6 +250,7 @@ class OpenAIServing:
                         outs[j] = out
                 if step == 0:  # one beam per prompt, in order
                     prompt_lps = [out.prompt_logprobs for out in outs]
+                    cached = [out.num_cached_tokens for out in outs]
                 batch, step = steps.send(outs), step + 1
         except StopIteration as finished:
             results = finished.value
@@ -256,7 +260,8 @@ class OpenAIServing:
                                       b.cum_logprob, beam_logprobs(b.tokens[n:], b.logprobs, logprobs),
                                       b.finish_reason, b.stop_reason)
                      for j, b in enumerate(result.sequences)]
-            yield i, RequestOutput(f"{request_id}-{i}", None, ids[i], prompt_lps[i], beams, True)
+            yield i, RequestOutput(f"{request_id}-{i}", None, ids[i], prompt_lps[i], beams, True,
+                                   num_cached_tokens=cached[i])
 
     async def generate(self, prompts: list[str | list[int] | dict], params: SamplingParams,
                        request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
