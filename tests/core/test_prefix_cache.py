@@ -91,24 +91,42 @@ def test_a_lookup_stops_at_the_deepest_snapshot_and_leaves_a_token_to_compute():
     kv.assert_all_free()
 
 
-def test_the_scheduler_cuts_prompts_at_snapshot_positions_and_saves_decode_boundaries():
-    kv = _kv(num_blocks=32)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
-                      snapshot_interval=8)
-    req = _req("a", list(range(1, 20)), max_tokens=16)  # 19 tokens: the last block boundary before its end is 16
-    sched.add_request(req)
-    out = sched.schedule()
-    assert out.scheduled[0].num_tokens == 16 and [(s.position, s.prefill) for s in out.saves] == [(16, True)]
-    sched.update_from_output(out, {}, [True])
-    out = sched.schedule()  # the prompt's rest: 3 tokens, then decode; the next snapshot at 16 + 8
-    assert out.scheduled[0].num_tokens == 3 and not out.saves
-    sched.update_from_output(out, {"a": [7]}, [])
+def _scheduler(num_blocks=32) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), _kv(num_blocks),
+                     snapshot_interval=8)
+
+
+def _decode_until(sched: Scheduler, req: Request, num_tokens: int) -> list[int]:
     positions = []
-    while req.num_tokens < 28:
+    while req.num_tokens < num_tokens:
         out = sched.schedule()
         positions += [s.position for s in out.saves]
-        sched.update_from_output(out, {"a": [7]}, [True] * len(out.saves))
-    assert positions == [24] and req.next_snapshot == 32
-    assert len(kv.snapshots.entries) == 2
+        sched.update_from_output(out, {req.request_id: [7]}, [True] * len(out.saves))
+    return positions
+
+
+def test_a_decoding_request_saves_past_its_prompt_then_every_interval():
+    sched = _scheduler()
+    req = _req("a", list(range(1, 20)), max_tokens=16)  # 19 tokens: no cut, the first snapshot at 20
+    sched.add_request(req)
+    assert _decode_until(sched, req, 30) == [20, 28] and req.next_snapshot == 36
+    assert len(sched.kv.snapshots.entries) == 2
     sched.finish(req, req.status.FINISHED_ABORTED)
-    kv.assert_all_free()
+    sched.kv.assert_all_free()
+
+
+def test_a_prompt_is_cut_where_a_shared_run_of_cached_blocks_ends():
+    sched = _scheduler()
+    first = _req("a", list(range(1, 21)), max_tokens=2)  # ends on a block boundary: its state is kept at 20
+    sched.add_request(first)
+    out = sched.schedule()
+    assert out.scheduled[0].num_tokens == 20 and [(s.position, s.prefill) for s in out.saves] == [(20, True)]
+    sched.update_from_output(out, {"a": [7]}, [True])
+    sched.finish(first, first.status.FINISHED_ABORTED)
+    other = _req("b", list(range(1, 13)) + [99] * 10, max_tokens=2)  # shares 3 blocks, then departs
+    sched.add_request(other)
+    out = sched.schedule()  # no snapshot inside the shared 12 tokens: cut there (12 >= the interval of 8)
+    assert out.scheduled[0].num_tokens == 12 and [s.position for s in out.saves] == [12]
+    sched.update_from_output(out, {}, [True])
+    third = _req("c", list(range(1, 13)) + [55] * 5, max_tokens=2)
+    assert sched.kv.lookup(third).num_tokens == 12

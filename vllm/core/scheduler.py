@@ -166,18 +166,19 @@ class Scheduler:
 
     # ---- prefix caching: where KDA state snapshots are taken (docs/prefix_caching.md) -------------------------
     def _plan_snapshots(self, req: Request, hit) -> None:
-        """At admission: the prompt positions whose chunk ends there so the state there can be kept (the last
-        block boundary of the prompt, for the next turn of a conversation; and the end of a long run of cached
-        blocks without a snapshot, a shared prefix seen before), and the first decode position that takes one
-        (then every snapshot interval)."""
+        """At admission: where the prompt's chunks must end for a snapshot, and the first decode position that
+        takes one. A prompt is cut only at the end of a long run of cached blocks without a snapshot (a shared
+        prefix seen before, whose state exists nowhere yet); a prompt that ends on a block boundary leaves its
+        state there; otherwise the first decode row past the prompt's last block leaves it, then one every
+        snapshot interval (docs/prefix_caching.md)."""
         if not self.takes_snapshots:
             return
-        bs, interval = self.kv.block_size, self.snapshot_interval
+        bs, interval, end = self.kv.block_size, self.snapshot_interval, req.num_tokens
         start = hit.num_tokens if hit is not None else 0
-        last = (req.num_tokens - 1) // bs * bs
         shared = hit.num_cached_blocks * bs if hit is not None else 0
-        req.snapshot_cuts = [c for c in (shared if shared - start >= interval else 0, last) if start < c <= last]
-        req.next_snapshot = max(last, start) + interval
+        req.snapshot_cuts = [c for c in (shared if shared - start >= interval else 0, end if end % bs == 0 else 0)
+                             if start < c]
+        req.next_snapshot = end + interval if end % bs == 0 else -(-end // bs) * bs
 
     def _cut(self, req: Request, n: int, start: int | None = None) -> int:
         """n prompt tokens from `start` (the computed ones), cut at the first snapshot position inside them."""
