@@ -115,6 +115,19 @@ def test_a_decoding_request_saves_past_its_prompt_then_every_interval():
     sched.kv.assert_all_free()
 
 
+def test_a_boundary_passed_without_a_free_slot_does_not_stop_later_snapshots():
+    sched = _scheduler()
+    held = [sched.kv.reserve_snapshot() for _ in range(4)]  # every snapshot slot pending elsewhere
+    req = _req("a", list(range(1, 20)), max_tokens=16)
+    sched.add_request(req)
+    assert _decode_until(sched, req, 22) == []  # 20 passed with no slot to save into
+    for slot in held:
+        sched.kv.discard_snapshot(slot)
+    assert _decode_until(sched, req, 30) == [28]
+    sched.finish(req, req.status.FINISHED_ABORTED)
+    sched.kv.assert_all_free()
+
+
 def test_a_prompt_is_cut_where_a_shared_run_of_cached_blocks_ends():
     sched = _scheduler()
     first = _req("a", list(range(1, 21)), max_tokens=2)  # ends on a block boundary: its state is kept at 20

@@ -102,10 +102,11 @@ class KVCacheManager:
         if not self.needs_slots:
             return CacheHit(m * bs, blocks, None, m)
         entries = self.snapshots.entries
+        cached = m if self.needs_blocks else 0  # without MLA layers no run of blocks says a prefix was seen
         for i in range(m, 0, -1):
             if hashes[i - 1] in entries:
-                return CacheHit(i * bs, blocks[:i], self.snapshots.get(hashes[i - 1]), m)
-        return CacheHit(0, [], None, m)
+                return CacheHit(i * bs, blocks[:i], self.snapshots.get(hashes[i - 1]), max(cached, i))
+        return CacheHit(0, [], None, cached)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Registers the request's full blocks among its first `num_tokens` tokens, whose cache is final."""

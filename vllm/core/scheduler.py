@@ -199,8 +199,10 @@ class Scheduler:
             if s.is_prefilling:
                 position = end if end in req.snapshot_cuts else 0
             else:
-                b = req.next_snapshot
-                position = b if s.num_computed_tokens - s.num_spec_in_flight < b <= end else 0
+                b, first = req.next_snapshot, s.num_computed_tokens - s.num_spec_in_flight
+                while 0 < b <= first:  # passed for sure without a save (no free slot then): the next one
+                    b = req.next_snapshot = b + self.snapshot_interval
+                position = b if first < b <= end else 0
             if position:
                 slot = self.kv.reserve_snapshot()
                 if slot is not None:
