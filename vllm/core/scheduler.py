@@ -198,6 +198,8 @@ class Scheduler:
             end = s.num_computed_tokens + s.num_tokens
             if s.is_prefilling:
                 position = end if end in req.snapshot_cuts else 0
+            elif req.next_snapshot > end:  # most decode rows: the next boundary is further on
+                continue
             else:
                 b, first = req.next_snapshot, s.num_computed_tokens - s.num_spec_in_flight
                 while 0 < b <= first:  # passed for sure without a save (no free slot then): the next one
