@@ -101,7 +101,7 @@ class EngineArgs:
                             "(a multiple of --block-size): a later turn recomputes at most this many of its history")
         g.add_argument("--num-kda-snapshots", type=int, default=None,
                        help="KDA state snapshot slots for prefix caching (default: 4 per --max-num-seqs request, at "
-                            "most a quarter of the cache budget)")
+                            "most a quarter of the cache budget; at most 64 on a CPU)")
         g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and prepare each step while the GPU runs the one before (default: on with "

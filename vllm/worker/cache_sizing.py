@@ -19,6 +19,8 @@ from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
 
+CPU_SNAPSHOTS = 64  # default KDA snapshot slots on a CPU (see plan_cache)
+
 
 @dataclass(slots=True, frozen=True)
 class CacheLayout:
@@ -74,9 +76,12 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
     snapshots = 0
     if slot_bytes and cc.enable_prefix_caching:
         # By default 4 per request the batch can hold, at most a quarter of the budget: a conversation's next
-        # turn needs one, a shared prompt one more, and LRU keeps the rest for who comes back.
-        snapshots = cc.num_kda_snapshots if cc.num_kda_snapshots is not None else \
-            min(4 * sc.max_num_seqs, max(budget // 4, 0) // slot_bytes)
+        # turn needs one, a shared prompt one more, and LRU keeps the rest for who comes back. On a CPU at most
+        # CPU_SNAPSHOTS: its batches are small, and every state pool grows by the snapshot slots.
+        default = min(4 * sc.max_num_seqs, max(budget // 4, 0) // slot_bytes)
+        if config.model_config.device.type == "cpu":
+            default = min(default, CPU_SNAPSHOTS)
+        snapshots = cc.num_kda_snapshots if cc.num_kda_snapshots is not None else default
     needed = -(-sc.max_model_len // cc.block_size) if block_bytes else 0
     if cc.num_gpu_blocks_override is not None:
         blocks = cc.num_gpu_blocks_override
