@@ -1,14 +1,12 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM, run by uvicorn.
 
-Request bodies are read and parsed here rather than by FastAPI so that every client mistake (wrong content
-type, oversized or malformed body, bad field) becomes one OpenAI-shaped error with the right status.
+Request bodies are read and parsed in request_body.py (every client mistake becomes one OpenAI-shaped error).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import socket
@@ -19,18 +17,17 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                              TokenizeRequest, ignored_fields, validation_error)
+                                              TokenizeRequest)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.request_body import parse_body, read_body, validate_body
 from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
-from vllm.inputs.validation import LONE_SURROGATE
 from vllm.utils import freeze_gc_heap
 from vllm.version import __version__
 
@@ -42,71 +39,6 @@ _DRAIN_LIMIT = 64 << 20  # read (and drop) at most this much of an oversized bod
 # Upstream guards only /v1 (and a few other prefixes); here every other route needs the key, since /tokenize,
 # /invocations and the docs run or reveal as much as /v1 does.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def parse_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    return validate_body(await read_body(request, limit), model)
-
-
-async def read_body(request: Request, limit: int) -> dict:
-    """The request's JSON object, or the APIError that says what is wrong with it."""
-    ctype = request.headers.get("content-type", "")
-    if ctype.split(";")[0].strip().lower() != "application/json":
-        raise APIError(400, f"Content-Type must be application/json, got {ctype!r}")
-    body = bytearray()
-    async for chunk in request.stream():  # a chunked body has no Content-Length: count as it arrives
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes (--max-request-body-bytes)")
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body nests arrays or objects too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    if (where := _lone_surrogate(data)) is not None:
-        raise APIError(400, f"{where or 'the request body'} holds a lone UTF-16 surrogate (such as \\ud800), "
-                            "which is not a character: send valid Unicode text", where or None)
-    return data
-
-
-def validate_body(data: dict, model: type[BaseModel]) -> BaseModel:
-    """`data` as `model`, or a 400 naming the field; unknown fields are logged (they are ignored)."""
-    try:
-        parsed = model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    except RecursionError:
-        raise APIError(400, "the request body nests arrays or objects too deeply") from None
-    if ignored := ignored_fields(parsed):
-        logger.warning("The following fields were present in the request but ignored: %s", sorted(ignored))
-    return parsed
-
-
-def _lone_surrogate(data) -> str | None:
-    """The dotted path of the first string (key or value) holding a lone surrogate, "" for the body itself;
-    None when every string is valid Unicode. JSON allows "\\ud800", but it cannot be tokenized nor sent back."""
-    stack = [("", data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if LONE_SURROGATE.search(value):
-                return path
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                key_path = f"{path}.{k}".lstrip(".")
-                if LONE_SURROGATE.search(k):
-                    return path
-                stack.append((key_path, v))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-    return None
 
 
 class Guard:
