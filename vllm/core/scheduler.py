@@ -23,6 +23,7 @@ from vllm.config import SchedulerConfig
 from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
+from vllm.core.snapshot_plan import SnapshotPlan, SnapshotSave
 from vllm.spec_decode.metrics import SpecDecodeStats
 
 
@@ -44,21 +45,6 @@ class ScheduledRequest:
         return -1 if self.is_prefilling else len(self.draft_token_ids)
 
 
-_KEEPS_SNAPSHOTS = (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-@dataclass(slots=True)
-class SnapshotSave:
-    """A copy of a row's KDA state at `position` (a block boundary) into snapshot `slot`, made after the step's
-    forward. A prompt chunk ends there; a decode row may reach it, which the device decides (the host learns
-    which saves took in the step's output, update_from_output)."""
-    row: int
-    position: int
-    slot: int
-    request: Request
-    prefill: bool
-
-
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -74,9 +60,7 @@ class Scheduler:
                  num_speculative_tokens: int = 0, snapshot_interval: int = 256) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.snapshot_interval = snapshot_interval
-        # Snapshots are taken only where they can be found again: prefix caching over KDA layers.
-        self.takes_snapshots = kv_cache_manager.prefix_caching and kv_cache_manager.needs_slots
+        self.snapshots = SnapshotPlan(kv_cache_manager, snapshot_interval)
         self.num_spec = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -114,7 +98,7 @@ class Scheduler:
             if self._finishes_in_flight(req):
                 i += 1
                 continue
-            n = self._cut(req, min(req.num_scheduled_tokens_left, budget))
+            n = self.snapshots.cut(req, min(req.num_scheduled_tokens_left, budget))
             drafts = self._drafts(req, n, budget) if self.num_spec else []
             if req.num_spec_in_flight and req.num_computed_tokens + n + len(drafts) > self.config.max_model_len:
                 # Placed after every draft in flight, the row would pass --max-model-len (where the true one
@@ -139,8 +123,8 @@ class Scheduler:
                 break
             hit = self.kv.lookup(req) if self.kv.prefix_caching else None
             start = hit.num_tokens if hit is not None else 0
-            self._plan_snapshots(req, hit)
-            n = self._cut(req, min(req.num_tokens - start, budget), start)
+            self.snapshots.admit(req, hit)
+            n = self.snapshots.cut(req, min(req.num_tokens - start, budget), start)
             if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
@@ -160,55 +144,9 @@ class Scheduler:
             scheduled.append((req, n, []))
             budget -= n
         out.scheduled = [self._scheduled(req, n, drafts) for req, n, drafts in scheduled]
-        if self.takes_snapshots:
-            self._plan_saves(out)
+        if self.snapshots.enabled:
+            self.snapshots.plan_saves(out)
         return out
-
-    # ---- prefix caching: where KDA state snapshots are taken (docs/prefix_caching.md) -------------------------
-    def _plan_snapshots(self, req: Request, hit) -> None:
-        """At admission: where the prompt's chunks must end for a snapshot, and the first decode position that
-        takes one. A prompt is cut only at the end of a long run of cached blocks without a snapshot (a shared
-        prefix seen before, whose state exists nowhere yet); a prompt that ends on a block boundary leaves its
-        state there; otherwise the first decode row past the prompt's last block leaves it, then one every
-        snapshot interval (docs/prefix_caching.md)."""
-        if not self.takes_snapshots:
-            return
-        bs, interval, end = self.kv.block_size, self.snapshot_interval, req.num_tokens
-        start = hit.num_tokens if hit is not None else 0
-        shared = hit.num_cached_blocks * bs if hit is not None else 0
-        req.snapshot_cuts = [c for c in (shared if shared - start >= interval else 0, end if end % bs == 0 else 0)
-                             if start < c]
-        req.next_snapshot = end + interval if end % bs == 0 else -(-end // bs) * bs
-
-    def _cut(self, req: Request, n: int, start: int | None = None) -> int:
-        """n prompt tokens from `start` (the computed ones), cut at the first snapshot position inside them."""
-        if req.snapshot_cuts and req.is_prefilling or start is not None:
-            c = req.num_computed_tokens if start is None else start
-            for cut in req.snapshot_cuts:
-                if c < cut < c + n:
-                    return cut - c
-        return n
-
-    def _plan_saves(self, out: SchedulerOutput) -> None:
-        """The snapshots this step takes: a prompt chunk that ends on a snapshot position, and a decode row that
-        may reach its request's next decode position (its true start may be as many tokens back as it has
-        drafts in flight; the device copies the state only if the row's accepted tokens reach it)."""
-        for row, s in enumerate(out.scheduled):
-            req = s.request
-            end = s.num_computed_tokens + s.num_tokens
-            if s.is_prefilling:
-                position = end if end in req.snapshot_cuts else 0
-            elif req.next_snapshot > end:  # most decode rows: the next boundary is further on
-                continue
-            else:
-                b, first = req.next_snapshot, s.num_computed_tokens - s.num_spec_in_flight
-                while 0 < b <= first:  # passed for sure without a save (no free slot then): the next one
-                    b = req.next_snapshot = b + self.snapshot_interval
-                position = b if first < b <= end else 0
-            if position:
-                slot = self.kv.reserve_snapshot()
-                if slot is not None:
-                    out.saves.append(SnapshotSave(row, position, slot, req, s.is_prefilling))
 
     @staticmethod
     def _scheduled(req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
@@ -320,27 +258,12 @@ class Scheduler:
                     self.finish(req, status)
                     break
             updated.append(req)
-        self._settle_saves(out, saved)  # after the tokens: a snapshot's key hashes the tokens before it
+        self.snapshots.settle(out, saved)  # after the tokens: a snapshot's key hashes the tokens before it
         return updated
-
-    def _settle_saves(self, out: SchedulerOutput, saved: list[bool] | None) -> None:
-        """Caches the snapshots the step took, frees the slots of those it did not. A request running (or that
-        ran to its end) has not been preempted since the step (admission waits a step after a preemption), so
-        its blocks hold the cache before the snapshot; one that stopped before the snapshot's position (on a
-        stop token among accepted drafts) does not keep it."""
-        assert saved is not None or not out.saves, "a step with snapshot saves reports which took"
-        for save, took in zip(out.saves, saved or ()):
-            req = save.request
-            if took and req.status in _KEEPS_SNAPSHOTS and req.num_tokens >= save.position:
-                self.kv.commit_snapshot(req, save.position, save.slot, decoding=not save.prefill)
-                if not save.prefill and save.position == req.next_snapshot:
-                    req.next_snapshot += self.snapshot_interval
-            else:
-                self.kv.discard_snapshot(save.slot)
 
     def discard_saves(self, out: SchedulerOutput) -> None:
         """The step failed: none of its snapshots is kept."""
-        self._settle_saves(out, [False] * len(out.saves))
+        self.snapshots.settle(out, [False] * len(out.saves))
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark finished (stop, length or abort) and free everything the request holds; a request that ran to

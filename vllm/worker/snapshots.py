@@ -1,5 +1,5 @@
 """KDA state snapshots on the device: the copies between a request's state slot and a snapshot slot that prefix
-caching plans (core/prefix_cache.py, Scheduler._plan_saves).
+caching plans (core/snapshot_plan.py).
 
 A restore copies a cached snapshot into the state slot of a request admitted with that prefix, before the step's
 forward. A save copies, after the forward, the state a row holds at a block boundary: the row's last state for a
@@ -22,7 +22,7 @@ from vllm.utils import async_tensor_h2d
 
 if TYPE_CHECKING:
     from vllm.attention.backend import CommonAttentionMetadata
-    from vllm.core.scheduler import SnapshotSave
+    from vllm.core.snapshot_plan import SnapshotSave
     from vllm.worker.sample_step import StepTokens
 
 
