@@ -81,6 +81,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kda_snapshot_interval: int = 256
     num_kda_snapshots: int | None = None
+    # RecoverSSM (--use-replayssm): a speculating request keeps one KDA state, not 1 + K checkpoint columns; verify
+    # rows leave per-token records and a commit after sampling advances the state (attention/kda/recover.py).
+    use_replayssm: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 8, 16, 32, 64, 128), "--block-size", self.block_size,
@@ -292,7 +295,21 @@ class VllmConfig:
         _require(self.num_speculative_tokens <= limit, "--speculative-config num_speculative_tokens",
                  self.num_speculative_tokens, f"at most --max-model-len - 2 = {limit} (one prompt token, then the "
                  "verified token and its drafts)")
+        if self.cache_config.use_replayssm and self.speculative_config is None:
+            raise ValueError("--use-replayssm needs speculative decoding (--speculative-config): it replaces the 1 + K "
+                             "KDA state checkpoints a speculating request keeps; without drafts there is one already")
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    @property
+    def state_slots_per_request(self) -> int:
+        """KDA state slots a running request holds: 1 + K checkpoint columns when speculating, else (and under
+        RecoverSSM) one."""
+        return 1 if self.cache_config.use_replayssm else 1 + self.num_speculative_tokens
+
+    @property
+    def recover_record_len(self) -> int:
+        """Tokens per verify row that RecoverSSM records (1 + K), or 0 without it."""
+        return 1 + self.num_speculative_tokens if self.cache_config.use_replayssm else 0

@@ -46,12 +46,16 @@ TURNS = [SYSTEM + "Write a function that reverses a list.", " Now make it work o
          " Add type hints.", " And a docstring, please."]
 
 
-@pytest.mark.parametrize("spec,async_scheduling", [("none", False), ("none", True), ("ngram", False),
-                                                   ("dspark", True)])
-def test_a_conversation_reuses_its_history_and_answers_the_same(spec, async_scheduling):
-    want, off_cached, _ = _conversation(_llm(False, spec, async_scheduling=async_scheduling), TURNS)
+@pytest.mark.parametrize("spec,async_scheduling,recover", [("none", False, False), ("none", True, False),
+                                                           ("ngram", False, False), ("dspark", True, False),
+                                                           ("dspark", True, True)],
+                         ids=["none-sync", "none-async", "ngram", "dspark-async", "dspark-async-recoverssm"])
+def test_a_conversation_reuses_its_history_and_answers_the_same(spec, async_scheduling, recover):
+    """With RecoverSSM a decode row's snapshot is the state its commit passes at the boundary."""
+    kwargs = dict(async_scheduling=async_scheduling, use_replayssm=recover)
+    want, off_cached, _ = _conversation(_llm(False, spec, **kwargs), TURNS)
     assert off_cached == [0] * len(TURNS)
-    llm = _llm(True, spec, async_scheduling=async_scheduling)
+    llm = _llm(True, spec, **kwargs)
     got, cached, before = _conversation(llm, TURNS)
     assert got == want
     assert cached[0] == 0

@@ -49,15 +49,20 @@ def _llm(model_dir, backends, **kwargs) -> LLM:
                max_num_seqs=4, **backends, **kwargs)
 
 
-def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir):
+@pytest.mark.parametrize("recover", [False, True], ids=["checkpoint-columns", "recoverssm"])
+def test_device_trimmed_drafts_stay_lossless(graph_backends, model_dir, recover):
+    """Also under RecoverSSM, where the native kernel records (in the interpreter here) and the trimmed rows
+    commit only what their device lengths verified."""
     gen = torch.Generator().manual_seed(1)
     batch = [{"prompt_token_ids": torch.randint(5, 250, (n,), generator=gen).tolist()} for n in (7, 12, 9)]
     # Three rows first (the trimmed middle row shifts the last one), then two once the third is done.
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 12, 4)]
     want = [o.outputs[0].token_ids for o in _llm(model_dir, graph_backends).generate(batch, params, use_tqdm=False)]
-    llm = _llm(model_dir, graph_backends, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = _llm(model_dir, graph_backends, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+               use_replayssm=recover)
     right = {tuple(p["prompt_token_ids"]): w for p, w in zip(batch, want)}
     llm.llm_engine.runner.drafting.ngram = RightDrafts(right, 3)
+    assert (llm.llm_engine.runner.state_commit is not None) is recover
     calls = []
     llm.llm_engine.runner.set_device_trim_hook(uneven_trim(calls))
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]

@@ -108,6 +108,7 @@ class LayerShapes:
     qk_rope_head_dim: int = 0
     block_size: int = 0
     num_speculative_tokens: int = 0  # > 0: KDA decode must write checkpoint columns
+    recover_ssm: bool = False  # RecoverSSM: KDA decode writes per-token records instead (kda/recover.py)
 
 
 class AttentionBackend(ABC):

@@ -53,8 +53,10 @@ def backend_reason(flag: str, choice: str, device: torch.device, dtype: torch.dt
         backend = load_backend(flag, choice)
     except ImportError as e:
         return f"a package it needs is not installed ({e}); the extras are listed in docs/backends.md"
+    if flag == "--kda-decode-backend" and shapes is not None and shapes.recover_ssm and not backend.decode_records:
+        return "it does not write RecoverSSM's per-token records, which --use-replayssm needs; use native or torch"
     if (flag == "--kda-decode-backend" and shapes is not None and shapes.num_speculative_tokens
-            and not backend.decode_checkpoints):
+            and not shapes.recover_ssm and not backend.decode_checkpoints):
         return ("it does not write per-token state checkpoints, which speculative decoding "
                 f"(num_speculative_tokens={shapes.num_speculative_tokens}) needs; use native or torch")
     return backend.supports(device, dtype, shapes)

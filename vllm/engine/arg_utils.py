@@ -46,6 +46,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kda_snapshot_interval: int = 256
     num_kda_snapshots: int | None = None
+    use_replayssm: bool = False
     enforce_eager: bool = False
     mamba_ssm_cache_dtype: str = "float32"
     attention_backend: str = "auto"
@@ -102,6 +103,10 @@ class EngineArgs:
         g.add_argument("--num-kda-snapshots", type=int, default=None,
                        help="KDA state snapshot slots for prefix caching (default: 4 per --max-num-seqs request, at "
                             "most a quarter of the cache budget; at most 64 on a CPU)")
+        g.add_argument("--use-replayssm", action="store_true",
+                       help="RecoverSSM: a speculating request keeps one KDA state instead of 1 + K checkpoints; "
+                            "verify rows record per-token corrections and one launch commits the accepted ones "
+                            "(needs --speculative-config)")
         g.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and prepare each step while the GPU runs the one before (default: on with "
@@ -171,7 +176,8 @@ class EngineArgs:
                                      mamba_ssm_cache_dtype=STATE_DTYPES[self.mamba_ssm_cache_dtype],
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      kda_snapshot_interval=self.kda_snapshot_interval,
-                                     num_kda_snapshots=self.num_kda_snapshots),
+                                     num_kda_snapshots=self.num_kda_snapshots,
+                                     use_replayssm=self.use_replayssm),
             scheduler_config=SchedulerConfig(max_num_seqs=EngineArgs.max_num_seqs if self.max_num_seqs is None
                                              else self.max_num_seqs,  # None: the default, as upstream
                                              max_num_batched_tokens=self.max_num_batched_tokens

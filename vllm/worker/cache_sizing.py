@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.attention.backend import CommonAttentionMetadata
+from vllm.attention.kda.recover import record_bytes
 from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class CacheLayout:
     slot_bytes: int  # all KDA layers, one request's conv + recurrent state
     budget_bytes: int
     num_snapshot_slots: int = 0  # KDA state snapshots for prefix caching, in slots after the requests' ones
+    record_bytes: int = 0  # all KDA layers, one request slot's RecoverSSM records (snapshot slots have none)
 
 
 def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
@@ -44,6 +46,24 @@ def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
     H, V, K = hf.kda_ssm_state_shape()
     slot = len(hf.kda_layers) * (conv_h * conv_w * act + H * V * K * state)
     return block, slot
+
+
+def per_request_record_bytes(config: VllmConfig, record_len: int | None = None) -> int:
+    """RecoverSSM's records of one request slot over all KDA layers (0 without it), for `record_len` tokens
+    (None: the configured 1 + K, or 0 when RecoverSSM is off)."""
+    hf = config.model_config.hf_config
+    Q = config.recover_record_len if record_len is None else record_len
+    if not Q or not hf.kda_layers:
+        return 0
+    H, _, K = hf.kda_ssm_state_shape()
+    return len(hf.kda_layers) * record_bytes(H, K, hf.kda_conv_state_shape()[0], Q, config.model_config.dtype)
+
+
+def speculating_state_bytes(config: VllmConfig) -> tuple[int, int]:
+    """KDA state memory of one speculating request: (as 1 + K checkpoint columns, under RecoverSSM)."""
+    _, slot = per_unit_bytes(config)
+    Q = 1 + config.num_speculative_tokens
+    return Q * slot, slot + per_request_record_bytes(config, Q)
 
 
 def cache_budget(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int = 0) -> int:
@@ -64,13 +84,15 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
     block_bytes, slot_bytes = per_unit_bytes(config)
     budget = cache_budget(config, activation_peak_bytes, graph_bytes)
     slots = 0
-    per_request = 1 + config.num_speculative_tokens
+    per_request = config.state_slots_per_request
+    records = per_request_record_bytes(config)
     if slot_bytes:
         # +1: the null slot (kv_cache_manager.NULL_STATE_SLOT), which padding rows point at.
-        slots = min(sc.max_num_seqs * per_request + 1, max(budget // 2, 0) // slot_bytes)
+        slots = min(sc.max_num_seqs * per_request + 1, max(budget // 2, 0) // (slot_bytes + records))
         if slots < 1 + per_request:
             raise ValueError(f"the cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's KDA state "
-                             f"({per_request} x {slot_bytes / 2**20:.1f} MiB); raise --gpu-memory-utilization or "
+                             f"({per_request} x {(slot_bytes + records) / 2**20:.1f} MiB); raise "
+                             "--gpu-memory-utilization or "
                              "--kv-cache-memory-bytes, use --mamba-ssm-cache-dtype bfloat16, or lower "
                              "num_speculative_tokens")
     snapshots = 0
@@ -87,20 +109,28 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
         blocks = cc.num_gpu_blocks_override
     else:
         # More blocks than max_num_seqs full-length requests can ever hold would be memory nobody uses.
-        blocks = min((budget - (slots + snapshots) * slot_bytes) // block_bytes, sc.max_num_seqs * needed) \
+        blocks = min((budget - (slots + snapshots) * slot_bytes - slots * records) // block_bytes,
+                     sc.max_num_seqs * needed) \
             if block_bytes else 0
     if blocks < needed:
         raise ValueError(f"the MLA cache holds {blocks} blocks = {blocks * cc.block_size} tokens, fewer than one "
                          f"request of --max-model-len={sc.max_model_len}; lower --max-model-len or give the cache "
                          "more memory (--gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)")
-    layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget, snapshots)
+    layout = CacheLayout(blocks, slots, block_bytes, slot_bytes, budget, snapshots, records)
     mib = 2**20
+    spec = ""
+    if config.num_speculative_tokens and slot_bytes:
+        columns, recover = speculating_state_bytes(config)
+        mode = "RecoverSSM" if cc.use_replayssm else "checkpoint columns"
+        spec = (f"; {mode}: {slots // per_request} speculating requests, KDA state per speculating request "
+                f"{(recover if cc.use_replayssm else columns) / mib:.2f} MiB (checkpoint columns "
+                f"{columns / mib:.2f} MiB, RecoverSSM {recover / mib:.2f} MiB)")
     logger.info("cache capacity: %d MLA tokens (%d blocks x %d, %.1f MiB), %d KDA state slots (%.1f MiB), %d KDA "
                 "snapshot slots for prefix caching (%.1f MiB); %.2f MiB per state (%s); budget %.1f MiB, activation "
-                "peak %.1f MiB, CUDA graphs %.1f MiB", blocks * cc.block_size, blocks, cc.block_size,
-                blocks * block_bytes / mib, slots, slots * slot_bytes / mib, snapshots, snapshots * slot_bytes / mib,
-                slot_bytes / mib, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."), budget / mib,
-                activation_peak_bytes / mib, graph_bytes / mib)
+                "peak %.1f MiB, CUDA graphs %.1f MiB%s", blocks * cc.block_size, blocks, cc.block_size,
+                blocks * block_bytes / mib, slots, slots * (slot_bytes + records) / mib, snapshots,
+                snapshots * slot_bytes / mib, slot_bytes / mib, str(cc.mamba_ssm_cache_dtype).removeprefix("torch."),
+                budget / mib, activation_peak_bytes / mib, graph_bytes / mib, spec)
     return layout
 
 
@@ -133,8 +163,11 @@ def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: 
     model.compute_logits(hidden[-sc.max_num_seqs:])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    cache_bytes = sum(t.numel() * t.element_size() for c in caches
-                      for t in (c.kv_cache, c.conv_state, c.ssm_state) if t is not None)
+    cache_bytes = sum(t.numel() * t.element_size() for c in caches.layers for t in (c.kv_cache,) if t is not None)
+    if caches.kda is not None:
+        rec = caches.kda.records
+        cache_bytes += sum(t.numel() * t.element_size() for t in (caches.kda.conv_state, caches.kda.ssm_state,
+                                                                   *((rec.c, rec.kd, rec.x) if rec else ())))
     del caches, hidden
     torch.cuda.empty_cache()
     return peak - cache_bytes

@@ -55,9 +55,11 @@ class CpuGpuBuffer:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device, slots_per_request: int = 1) -> None:
+                 device: torch.device, slots_per_request: int = 1, speculating: bool | None = None) -> None:
         self.block_size = block_size
-        self.spec = slots_per_request > 1
+        # Verify rows (draft ids, accepted counts) exist; checkpoint columns (2-D state slots) only without RecoverSSM.
+        self.spec = slots_per_request > 1 if speculating is None else speculating
+        self.columns = slots_per_request > 1
         # The per-token buffers are the rows of one, so that trim_on_device re-cuts them in one gather.
         self.token_rows = CpuGpuBuffer((4, max_num_tokens), torch.int64, device)
         self.input_ids = self.token_rows.row(0)
@@ -251,7 +253,7 @@ class InputBatch:
         views = self._metadata_views.get((num_reqs, num_tokens))
         if views is None:
             slots, slots_cpu = self.state_indices.gpu[:num_reqs], self.state_indices.cpu[:num_reqs]
-            if not self.spec:  # one slot per request: the 1-D layout every KDA backend takes
+            if not self.columns:  # one slot per request: the 1-D layout every KDA backend takes
                 slots, slots_cpu = slots[:, 0], slots_cpu[:, 0]
             views = self._metadata_views[(num_reqs, num_tokens)] = (
                 self.query_start_loc.gpu[:num_reqs + 1], self.query_start_loc.cpu[:num_reqs + 1],

@@ -21,7 +21,7 @@ from vllm.core.kv_cache_manager import KVCacheManager
 from vllm.core.request import Request
 from vllm.core.scheduler import SchedulerOutput
 from vllm.model_executor.model_loader import load_model
-from vllm.model_executor.models.kimi_k3.model import allocate_layer_caches
+from vllm.model_executor.models.kimi_k3.model import LayerCaches, allocate_layer_caches
 from vllm.spec_decode.adaptive_verification import AdaptiveVerifier, StepTimes
 from vllm.utils import async_tensor_d2h
 from vllm.worker.cache_sizing import CacheLayout, plan_cache, profile_peak_bytes
@@ -34,6 +34,7 @@ from vllm.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.worker.sample_step import SampleStep
 from vllm.worker.sampling_state import SamplingState
 from vllm.worker.snapshots import StateSnapshots
+from vllm.worker.state_commit import StateCommit
 from vllm.worker.verify_costs import build_adaptive_verifier
 from vllm.worker.warmup import eager_warmup_steps
 
@@ -61,7 +62,8 @@ class ModelRunner:
                              kda_gate_bounded=hf.gate_lower_bound is not None,
                              ssm_state_dtype=cc.mamba_ssm_cache_dtype, mla_num_heads=hf.num_attention_heads,
                              kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim,
-                             block_size=cc.block_size, num_speculative_tokens=config.num_speculative_tokens)
+                             block_size=cc.block_size, num_speculative_tokens=config.num_speculative_tokens,
+                             recover_ssm=cc.use_replayssm)
         backends = select_backends(config.kernel_config, self.device, self.dtype, shapes)
         self.backend_names = (f"MLA {backends.mla.name}, KDA prefill {backends.kda.prefill.name}, "
                               f"KDA decode {backends.kda.decode.name}")
@@ -69,7 +71,7 @@ class ModelRunner:
         self.model = load_model(mc.model, self.dtype, self.device, backends, hf)
         self.hf_config = hf
         self.block_size = cc.block_size
-        self.kda_builder = backends.kda.builder(self.block_size) if hf.kda_layers else None
+        self.kda_builder = backends.kda.builder(self.block_size, config.recover_record_len) if hf.kda_layers else None
         self.kda_prefill_backend = backends.kda.prefill
         self.conv_history_major = backends.kda.conv_state_history_major
         self.mla_builder = backends.mla.builder(self.block_size) if hf.mla_layers else None
@@ -133,7 +135,8 @@ class ModelRunner:
         sc = self.config.scheduler_config
         max_blocks = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_num_batched_tokens, max_blocks, self.block_size,
-                                      self.device, slots_per_request=1 + self.num_spec)
+                                      self.device, slots_per_request=self.config.state_slots_per_request,
+                                      speculating=self.num_spec > 0)
         self.graphs = StepGraphs(self.config, self.device, self.cudagraph_mode, self.backend_names, self.model,
                                  self.input_batch, self.drafter, self._forward, self._forward_with_tail,
                                  self._attn_metadata)
@@ -143,12 +146,17 @@ class ModelRunner:
                                   self._attn_metadata)
         graph_bytes = self.graphs.measure_bytes(lambda n: self._bind_caches(n, 1))
         self.layout = lay = plan_cache(self.config, peak, graph_bytes)
-        caches = self._bind_caches(lay.num_blocks, lay.num_state_slots + lay.num_snapshot_slots)
-        self.snapshots = StateSnapshots([t for c in caches for t in (c.conv_state, c.ssm_state) if t is not None],
-                                        self.device)
+        caches = self._bind_caches(lay.num_blocks, lay.num_state_slots + lay.num_snapshot_slots,
+                                   record_slots=lay.num_state_slots)
+        kda, recover = caches.kda, self.config.cache_config.use_replayssm
+        self.snapshots = StateSnapshots([kda.conv_state, kda.ssm_state] if kda is not None else [], self.device,
+                                        recover=recover)
+        self.state_commit = StateCommit(kda.conv_state, kda.ssm_state, kda.records, self.device) \
+            if recover and kda is not None else None
         kv = KVCacheManager(lay.num_blocks, self.block_size, lay.num_state_slots,
                             needs_blocks=bool(self.hf_config.mla_layers) or self.drafter is not None,
-                            needs_slots=bool(self.hf_config.kda_layers), slots_per_request=1 + self.num_spec,
+                            needs_slots=bool(self.hf_config.kda_layers),
+                            slots_per_request=self.config.state_slots_per_request,
                             enable_prefix_caching=self.config.cache_config.enable_prefix_caching,
                             snapshot_slots=range(lay.num_state_slots, lay.num_state_slots + lay.num_snapshot_slots))
         self.graphs.capture(graph_bytes)
@@ -160,11 +168,14 @@ class ModelRunner:
             self.set_device_trim_hook(self.adaptive_verifier)
         return kv
 
-    def _bind_caches(self, num_blocks: int, num_slots: int, draft: bool = True) -> list:
-        """Allocates the layers' cache pools (and, with `draft`, the DSpark draft's) and binds them."""
+    def _bind_caches(self, num_blocks: int, num_slots: int, draft: bool = True,
+                     record_slots: int | None = None) -> LayerCaches:
+        """Allocates the layers' cache pools (and, with `draft`, the DSpark draft's) and binds them; RecoverSSM's
+        records for the first `record_slots` slots (None: all)."""
         cc = self.config.cache_config
         caches = allocate_layer_caches(self.hf_config, num_blocks, self.block_size, num_slots, self.dtype,
-                                       cc.mamba_ssm_cache_dtype, self.device, self.conv_history_major)
+                                       cc.mamba_ssm_cache_dtype, self.device, self.conv_history_major,
+                                       self.config.recover_record_len, record_slots)
         self.model.bind_caches(caches)
         if draft and self.drafter is not None:
             self.drafter.allocate_caches(num_blocks, self.block_size)
@@ -263,7 +274,9 @@ class ModelRunner:
         result = AsyncModelRunnerOutput(num_tokens=common.num_actual_tokens, recut=trimmed is not None,
                                         survival_prediction=prediction)
         tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result)
-        saved = self.snapshots.save(out.saves, common, self.input_batch.positions.gpu, tokens)
+        saved, decode_saves = self.snapshots.save(out.saves, common, self.input_batch.positions.gpu, tokens)
+        if self.state_commit is not None:  # RecoverSSM: the rows' kept tokens into their states
+            self.state_commit(common, tokens, decode_saves)
         if saved is not None:
             result.snapshots_saved_host = async_tensor_d2h(saved)
         if self.drafter is not None:

@@ -16,6 +16,7 @@ import torch
 
 from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                     CommonAttentionMetadata, QueryLenSupport)
+from vllm.attention.kda.recover import KDARecords
 
 
 class KDAWeights(Protocol):
@@ -52,6 +53,8 @@ class KDARows:
     max_query_len: int  # a promised bound, not re-measured
     token_idx: torch.Tensor | None = None  # device long [num_tokens]: positions in the step; None = all, in order
     num_accepted_tokens: torch.Tensor | None = None  # device int32 [N], with 2-D state_indices
+    # RecoverSSM: decode rows read their slot's state, write per-token records instead of it (recover.py)
+    record: bool = False
 
     @property
     def checkpointed(self) -> bool:
@@ -79,6 +82,8 @@ class KDABackend(AttentionBackend):
     # Whether its decode path writes checkpoint columns (2-D state_indices + num_accepted_tokens), which
     # speculative decoding needs.
     decode_checkpoints: ClassVar[bool] = False
+    # Whether its decode path can leave RecoverSSM's per-token records (rows.record) instead of writing the state.
+    decode_records: ClassVar[bool] = False
     # Whether its decode path takes row lengths from the device offsets only (never the host copies), so
     # the device may trim rows after the host metadata was built.
     decode_reads_device_offsets: ClassVar[bool] = False
@@ -109,11 +114,12 @@ class KDABackend(AttentionBackend):
 class KDAMetadataBuilder(AttentionMetadataBuilder):
     query_len_support = QueryLenSupport.VARLEN
 
-    def __init__(self, decode: type[KDABackend]) -> None:
+    def __init__(self, decode: type[KDABackend], record_len: int = 0) -> None:
         # The prefill kernels take per-chunk host decisions (chunk counts, gathers), so a batch with a prompt chunk
         # never replays: the pair's support is its decode backend's, at most VARLEN_DECODE.
         self.cudagraph_support = min(decode.decode_cudagraph_support, AttentionCGSupport.VARLEN_DECODE)
         self.decode_reads_device_offsets = decode.decode_reads_device_offsets
+        self.record_len = record_len  # RecoverSSM's tokens per verify row (0: off)
 
     def supports_device_cpu_query_lens_mismatch(self) -> bool:
         # An all-decode step hands the device offsets to the decode kernel; a step with a prompt chunk is
@@ -127,12 +133,18 @@ class KDAMetadataBuilder(AttentionMetadataBuilder):
         n, T = common.num_reqs, common.num_actual_tokens
         prefilling = common.is_prefilling[:n].numpy()
         if not prefilling.any():
-            return KDAMetadata(decode=self._whole(common, decode=True), prefill=None, num_tokens=T)
+            return KDAMetadata(decode=self._recording(self._whole(common, decode=True)), prefill=None, num_tokens=T)
         if prefilling.all():
             return KDAMetadata(decode=None, prefill=self._whole(common, decode=False), num_tokens=T)
         qsl = common.query_start_loc_cpu[:n + 1].numpy()
-        return KDAMetadata(decode=_gather_rows(common, qsl, ~prefilling, decode=True),
+        return KDAMetadata(decode=self._recording(_gather_rows(common, qsl, ~prefilling, decode=True)),
                            prefill=_gather_rows(common, qsl, prefilling, decode=False), num_tokens=T)
+
+    def _recording(self, rows: KDARows) -> KDARows:
+        """Under RecoverSSM, decode rows record instead of writing the state; rows longer than the records
+        (adaptive verification's profiling dummies) take the plain path."""
+        rows.record = 0 < rows.max_query_len <= self.record_len
+        return rows
 
     @staticmethod
     def _whole(common: CommonAttentionMetadata, decode: bool) -> KDARows:
@@ -188,13 +200,14 @@ class KDAAttention:
         self.name = prefill.name if prefill is decode else f"{prefill.name}+{decode.name}"
         self.conv_state_history_major = decode.conv_state_history_major
 
-    def builder(self, block_size: int) -> KDAMetadataBuilder:
-        return KDAMetadataBuilder(self.decode)
+    def builder(self, block_size: int, record_len: int = 0) -> KDAMetadataBuilder:
+        return KDAMetadataBuilder(self.decode, record_len)
 
     def forward(self, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: torch.Tensor,
                 output_gate: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                meta: KDAMetadata) -> torch.Tensor:
-        """[T, P]: each group's output at its tokens' positions (zeros at tokens that no group covers)."""
+                meta: KDAMetadata, records: KDARecords | None = None) -> torch.Tensor:
+        """[T, P]: each group's output at its tokens' positions (zeros at tokens that no group covers).
+        `records`: the layer's RecoverSSM records, which decode rows built with `record` write."""
         groups = [(g, fn) for g, fn in ((meta.decode, self.decode.forward_decode),
                                         (meta.prefill, self.prefill.forward_prefill)) if g is not None]
         out = None
@@ -202,7 +215,11 @@ class KDAAttention:
             inputs = (mixed_qkv, raw_gate, raw_beta, output_gate)
             if rows.token_idx is not None:
                 inputs = tuple(x[rows.token_idx] for x in inputs)
-            y = fn(layer, *inputs, conv_state, ssm_state, rows)
+            if rows.record:
+                assert records is not None, "RecoverSSM rows on a layer without records"
+                y = fn(layer, *inputs, conv_state, ssm_state, rows, records=records)
+            else:
+                y = fn(layer, *inputs, conv_state, ssm_state, rows)
             if rows.token_idx is None and y.shape[0] == mixed_qkv.shape[0]:
                 return y
             if out is None:

@@ -30,6 +30,7 @@ import triton.language as tl
 from vllm.attention.backend import AttentionCGSupport, LayerShapes
 from vllm.attention.kda import ops
 from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights
+from vllm.attention.kda.recover import KDARecords
 from vllm.utils import num_sms
 
 # Kernels may read only constexpr globals.
@@ -76,12 +77,13 @@ def _store_conv_state(cs_ptr, stride_c, stride_w, ch, window, save, W: tl.conste
 def _fused_kda_decode_kernel(
     qkv_ptr, gate_ptr, beta_ptr, ogate_ptr, out_ptr,
     conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-    conv_state_ptr, ssm_ptr, qsl_ptr, idx_ptr, nacc_ptr, arrivals_ptr,
+    conv_state_ptr, ssm_ptr, qsl_ptr, idx_ptr, nacc_ptr, arrivals_ptr, rec_c_ptr, rec_kd_ptr, rec_x_ptr,
     stride_qkv, stride_gate, stride_beta, stride_ogate, stride_out, stride_cw,
-    stride_cs_slot, stride_cs_c, stride_cs_w, stride_ssm_slot, stride_idx,
+    stride_cs_slot, stride_cs_c, stride_cs_w, stride_ssm_slot, stride_idx, stride_rc, stride_rkd, stride_rx,
     norm_eps, lower_bound, q_scale,
     H: tl.constexpr, P: tl.constexpr, K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, MAX_T: tl.constexpr,
     SPLIT: tl.constexpr, BV: tl.constexpr, PREFETCH: tl.constexpr, BOUNDED: tl.constexpr, SPEC: tl.constexpr,
+    RECORD: tl.constexpr, Q: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,8 +129,19 @@ def _fused_kda_decode_kernel(
             softplus = tl.maximum(s, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(s)))
             g = -a * tl.where(s > SOFTPLUS_LINEAR_ABOVE, s, softplus)
         # Plain decode writes the final state back to the source slot; speculative decoding writes the state
-        # after every token to that token's checkpoint column.
-        if SPEC:
+        # after every token to that token's checkpoint column; RecoverSSM writes no state, only records.
+        if RECORD:
+            dst = src
+            save = length < 0
+            kd = rec_kd_ptr + src * stride_rkd + (h * Q + t) * 2 * K + offs
+            first_part = valid & (part == 0)
+            tl.store(kd, k * tl.rsqrt(tl.sum(k * k) + L2NORM_EPS), mask=first_part)
+            tl.store(kd + K, tl.exp(g), mask=first_part)
+            x_rec = rec_x_ptr + src * stride_rx + t * 3 * P
+            for qk in tl.static_range(2):
+                tl.store(x_rec + qk * P + ch, tl.load(qkv_ptr + tok * stride_qkv + qk * P + ch, mask=valid),
+                         mask=first_part)
+        elif SPEC:
             dst = tl.load(idx_ptr + r * stride_idx + t, mask=valid, other=-1).to(tl.int64)
             save = dst >= 0
         else:
@@ -173,6 +186,10 @@ def _fused_kda_decode_kernel(
             S = S * decays[t][None, :]
             c = betas[t] * (v - tl.sum(S * ks[t][None, :], axis=1))
             S = S + c[:, None] * ks[t][None, :]
+            if RECORD:
+                tl.store(rec_c_ptr + src * stride_rc + (h * Q + t) * K + rows, c, mask=t < length)
+                tl.store(rec_x_ptr + src * stride_rx + t * 3 * P + ch_v,
+                         tl.load(qkv_ptr + tok * stride_qkv + ch_v, mask=t < length), mask=t < length)
             o = tl.sum(S * qs[t][None, :], axis=1)
             # The gated RMSNorm needs all V rows: park o in `out` (rounded to the activation dtype, as the
             # reference normalises it) for the epilogue.
@@ -233,7 +250,7 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
                      state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor | None = None, *,
                      num_heads: int, head_dim: int, max_query_len: int, out: torch.Tensor | None = None,
                      split: int | None = None, block_v: int = BLOCK_V, prefetch: bool | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, records: KDARecords | None = None) -> torch.Tensor:
     """KDA over decode rows of 1..max_query_len tokens; returns the gated-normalised output [T, H*K].
 
     mixed_qkv [T, 3P] (pre-conv), raw_gate [T, P], raw_beta [T, H], output_gate [T, P], conv_weight [3P, W],
@@ -242,7 +259,9 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     state_indices [N] gives each request's slot; [N, C] gives checkpoint columns: the state is read from column
     num_accepted_tokens[r] - 1 and the state after token t written to column t. Rows with no tokens or a
     negative slot are skipped, and their output rows left as they are (uninitialised when `out` is None);
-    `out`, if given, is [T, P] in the activation dtype. split (programs per head), block_v (state rows per
+    `out`, if given, is [T, P] in the activation dtype. With `records` (RecoverSSM, 1-D state_indices, rows of at
+    most records.record_len tokens) the pools are only read: each token's correction, key, decay and input go to
+    the slot's records instead (recover.py). split (programs per head), block_v (state rows per
     block), prefetch and num_warps are tuning knobs (benchmarks/kernels/tune_kda_native.py); the defaults are the ones
     measured best on the H200.
     """
@@ -256,6 +275,9 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
     spec = state_indices.dim() == 2
     if spec:
         assert num_accepted_tokens is not None and state_indices.shape[1] >= max_query_len
+    if records is not None:
+        assert not spec and max_query_len <= records.record_len, "records take 1-D slots and rows of <= Q tokens"
+        assert records.x.shape[-1] == 3 * P and records.c[0].is_contiguous() and records.kd[0].is_contiguous()
     if out is None:
         out = mixed_qkv.new_empty(T, P)
     for x in (mixed_qkv, raw_gate, raw_beta, output_gate, out, conv_weight, A_log, dt_bias, norm_weight):
@@ -276,12 +298,15 @@ def fused_kda_decode(mixed_qkv: torch.Tensor, raw_gate: torch.Tensor, raw_beta: 
         conv_state, ssm_state, query_start_loc, state_indices,
         num_accepted_tokens if spec else state_indices,
         arrival_counters(mixed_qkv.device, N * H) if split > 1 else state_indices,
+        *((records.c, records.kd, records.x) if records is not None else (ssm_state,) * 3),
         mixed_qkv.stride(0), raw_gate.stride(0), raw_beta.stride(0), output_gate.stride(0), out.stride(0),
         conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         ssm_state.stride(0), state_indices.stride(0),
+        *((records.c.stride(0), records.kd.stride(0), records.x.stride(0)) if records is not None else (0, 0, 0)),
         norm_eps, 0.0 if lower_bound is None else lower_bound, K ** -0.5,
         H=H, P=P, K=K, W=W, BW=triton.next_power_of_2(W), MAX_T=max_query_len, SPLIT=split, BV=BV, PREFETCH=prefetch,
-        BOUNDED=lower_bound is not None, SPEC=spec,
+        BOUNDED=lower_bound is not None, SPEC=spec, RECORD=records is not None,
+        Q=records.record_len if records is not None else 1,
         num_warps=num_warps or max(1, BV * K // (32 * ELEMENTS_PER_THREAD)),
     )
     return out
@@ -301,6 +326,7 @@ class NativeKDABackend(KDABackend):
     name = "native"
     runs_decode = True
     decode_checkpoints = True
+    decode_records = True
     decode_reads_device_offsets = True
     # Row lengths come from the device offsets and the grid from (N, H): any decode batch replays.
     decode_cudagraph_support = AttentionCGSupport.VARLEN_DECODE
@@ -316,10 +342,10 @@ class NativeKDABackend(KDABackend):
     @classmethod
     def forward_decode(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
                        raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
-                       ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+                       ssm_state: torch.Tensor, rows: KDARows, records: KDARecords | None = None) -> torch.Tensor:
         T = rows.num_tokens
         return fused_kda_decode(
             mixed_qkv[:T], raw_gate[:T], raw_beta[:T], output_gate[:T], layer.conv_weight, layer.A_log,
             layer.dt_bias, layer.o_norm.weight, layer.o_norm.eps, layer.gate_lower_bound, conv_state, ssm_state,
             rows.query_start_loc, rows.state_indices, rows.num_accepted_tokens, num_heads=layer.num_heads,
-            head_dim=layer.head_dim, max_query_len=rows.max_query_len)
+            head_dim=layer.head_dim, max_query_len=rows.max_query_len, records=records if rows.record else None)

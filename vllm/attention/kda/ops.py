@@ -51,23 +51,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, checkpoints: torch.Tensor | None = None
+                  state: torch.Tensor, checkpoints: torch.Tensor | None = None,
+                  corrections: torch.Tensor | None = None, decays: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA for one sequence.
 
     q, k [T, H, K] (q already scaled), v [T, H, V], g [T, H, K], beta [T, H], state [H, V, K].
     If `checkpoints` [T, H, V, K] is given, the state after token t is also written to checkpoints[t]
-    (the speculative-decoding layout). Returns o [T, H, V] and the final state, float32.
+    (the speculative-decoding layout); if `corrections` [T, H, V] is given, token t's correction c_t goes to
+    corrections[t] and its decay exp(g_t) [T, H, K] to decays[t] (RecoverSSM's records, recover.py). Returns
+    o [T, H, V] and the final state, float32.
     """
     S = acc(state)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=S.dtype)
     for t in range(q.shape[0]):
-        S = S * g[t].exp()[:, None, :]
+        d = g[t].exp()
+        S = S * d[:, None, :]
         c = beta[t, :, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
         S = S + c[:, :, None] * k[t][:, None, :]
         out[t] = torch.einsum("hvk,hk->hv", S, q[t])
         if checkpoints is not None:
             checkpoints[t] = S
+        if corrections is not None:
+            corrections[t], decays[t] = c, d
     return out, S
 
 

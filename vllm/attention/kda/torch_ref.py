@@ -10,6 +10,7 @@ import torch
 
 from vllm.attention.kda.metadata import KDABackend, KDARows, KDAWeights, gated_norm
 from vllm.attention.kda.ops import acc, causal_conv1d, kda_chunked, kda_gate, kda_recurrent, l2norm
+from vllm.attention.kda.recover import KDARecords
 
 
 class TorchKDABackend(KDABackend):
@@ -17,10 +18,15 @@ class TorchKDABackend(KDABackend):
     runs_prefill = runs_decode = True
     decode_checkpoints = True
 
+    decode_records = True
+
     @classmethod
     def forward_decode(cls, layer: KDAWeights, mixed_qkv: torch.Tensor, raw_gate: torch.Tensor,
                        raw_beta: torch.Tensor, output_gate: torch.Tensor, conv_state: torch.Tensor,
-                       ssm_state: torch.Tensor, rows: KDARows) -> torch.Tensor:
+                       ssm_state: torch.Tensor, rows: KDARows, records: KDARecords | None = None) -> torch.Tensor:
+        if rows.record:
+            return cls._record_rows(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows,
+                                    records)
         lens = rows.query_start_loc_cpu[1:] - rows.query_start_loc_cpu[:-1]
         if bool((lens == 1).all()):
             return cls._one_token_rows(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state,
@@ -54,6 +60,37 @@ class TorchKDABackend(KDABackend):
                              g.reshape(1, T * H, K), beta.reshape(1, T * H), ssm_state[src].reshape(T * H, K, K))
         ssm_state[dst] = S.view(T, H, K, K).to(ssm_state.dtype)
         return gated_norm(layer, o.view(T, H, K), output_gate[:T], mixed_qkv.dtype)
+
+    @staticmethod
+    def _record_rows(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, records):
+        """RecoverSSM's verify: every row from its slot's state, padded to the record length Q and run as one
+        sequence of N*H heads; the pools are read, never written; each token's correction, key, decay and input
+        go to the slot's records (recover.py)."""
+        H, K, Q = layer.num_heads, layer.head_dim, records.record_len
+        T, N = rows.num_tokens, rows.num_reqs
+        qsl = rows.query_start_loc.long()
+        valid = torch.arange(Q, device=qsl.device) < (qsl[1:] - qsl[:-1])[:, None]  # [N, Q]
+        tok = torch.where(valid, qsl[:-1, None] + torch.arange(Q, device=qsl.device), 0)
+        src = rows.state_indices.long().clamp(min=0)
+        x = mixed_qkv[tok] * valid[..., None]  # [N, Q, C], padding zero
+        window = torch.cat([conv_state[src], x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [N, C, W-1+Q]
+        conv_out = (acc(window).unfold(-1, layer.conv_weight.shape[1], 1) * acc(layer.conv_weight)[:, None]).sum(-1)
+        q, k, v = _qkv(conv_out.transpose(1, 2).contiguous(), mixed_qkv.dtype, H, K)  # [N, Q, H, K]
+        g = kda_gate(raw_gate[tok], layer.A_log, layer.dt_bias, K, layer.gate_lower_bound)
+        beta = torch.sigmoid(acc(raw_beta[tok]))
+
+        def seq(t: torch.Tensor) -> torch.Tensor:  # [N, Q, H, ...] -> [Q, N*H, ...]
+            return t.transpose(0, 1).reshape(Q, N * H, *t.shape[3:])
+
+        corrections, decays = acc(q.new_empty(2, Q, N * H, K))
+        o, _ = kda_recurrent(seq(q), seq(k), seq(v), seq(g), seq(beta), ssm_state[src].reshape(N * H, K, K),
+                             corrections=corrections, decays=decays)
+        records.c[src] = corrections.view(Q, N, H, K).permute(1, 2, 0, 3)
+        records.kd[src] = torch.stack([k, decays.view(Q, N, H, K).transpose(0, 1)], dim=3).transpose(1, 2)
+        records.x[src] = x.to(records.x.dtype)
+        core = acc(mixed_qkv.new_zeros(T, H, K))
+        core[tok[valid]] = o.view(Q, N, H, K).transpose(0, 1)[valid]
+        return gated_norm(layer, core, output_gate[:T], mixed_qkv.dtype)
 
     @staticmethod
     def _per_request(layer, mixed_qkv, raw_gate, raw_beta, output_gate, conv_state, ssm_state, rows, kda):

@@ -48,6 +48,7 @@ class KimiDeltaAttention(nn.Module):
         # Bound by the engine (or a test helper): [slots, 3P, W-1] and [slots, H, V, K].
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.records = None  # RecoverSSM's per-token records (attention/kda/recover.py), when it is on
         self.conv_weight: torch.Tensor | None = None
         self.qkv_weight: torch.Tensor | None = None  # [3P, D] and [K or 2K, D], set after loading
         self.gate_a_weight: torch.Tensor | None = None
@@ -74,7 +75,7 @@ class KimiDeltaAttention(nn.Module):
 
     def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"
-        return self.backend.forward(self, *inputs, self.conv_state, self.ssm_state, attn_metadata)
+        return self.backend.forward(self, *inputs, self.conv_state, self.ssm_state, attn_metadata, self.records)
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(y)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm.attention.backend import HybridAttentionMetadata, HybridBackends
+from vllm.attention.kda.recover import KDARecords, allocate_records
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix, attn_res_stack
 from vllm.model_executor.models.kimi_k3.kda import KimiDeltaAttention
@@ -25,33 +26,61 @@ FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "gate.weight", "gat
 
 @dataclass(slots=True)
 class KimiLayerCache:
-    """One layer's cache views: `kv_cache` for MLA; `conv_state` and `ssm_state` for KDA."""
+    """One layer's cache views: `kv_cache` for MLA; `conv_state`, `ssm_state` (and RecoverSSM's `records`) for KDA."""
     kv_cache: torch.Tensor | None = None
     conv_state: torch.Tensor | None = None
     ssm_state: torch.Tensor | None = None
+    records: KDARecords | None = None
+
+
+@dataclass(slots=True)
+class KDAStatePools:
+    """Every KDA layer's state pools stacked over the layers ([L, slots, ...]; the layers hold views), so that one
+    launch or copy covers them all: RecoverSSM's commit, prefix caching's snapshot copies."""
+    conv_state: torch.Tensor  # [L, slots, 3P, W-1]
+    ssm_state: torch.Tensor  # [L, slots, H, V, K]
+    records: KDARecords | None = None
+
+
+@dataclass(slots=True)
+class LayerCaches:
+    layers: list[KimiLayerCache]
+    kda: KDAStatePools | None
 
 
 def allocate_layer_caches(config: KimiK3TextConfig, num_blocks: int, block_size: int, num_slots: int,
                           dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device | str,
-                          conv_history_major: bool = False) -> list[KimiLayerCache]:
-    """Zeroed cache pools for every layer: MLA latent blocks and KDA conv/recurrent state slots.
+                          conv_history_major: bool = False, record_len: int = 0,
+                          record_slots: int | None = None) -> LayerCaches:
+    """Zeroed cache pools for every layer: MLA latent blocks and KDA conv/recurrent state slots (and, with
+    `record_len`, RecoverSSM's records of that many tokens for the first `record_slots` slots: the requests'
+    ones; None: all).
 
     Conv states are [slots, 3P, W-1] views either way; `conv_history_major` stores each slot's W-1 columns of
     3P channels contiguously (strides [slot, 1, 3P]), the layout FlashInfer's fused KDA decode reads.
     """
-    caches = []
-    for i in range(config.num_hidden_layers):
-        if config.is_kda_layer(i):
-            channels, history = config.kda_conv_state_shape()
-            conv = (torch.zeros(num_slots, history, channels, dtype=dtype, device=device).transpose(1, 2)
-                    if conv_history_major else torch.zeros(num_slots, channels, history, dtype=dtype, device=device))
-            caches.append(KimiLayerCache(
-                conv_state=conv,
-                ssm_state=torch.zeros(num_slots, *config.kda_ssm_state_shape(), dtype=state_dtype, device=device)))
+    kda = None
+    num_kda = len(config.kda_layers)
+    if num_kda:
+        channels, history = config.kda_conv_state_shape()
+        conv = (torch.zeros(num_kda, num_slots, history, channels, dtype=dtype, device=device).transpose(2, 3)
+                if conv_history_major else
+                torch.zeros(num_kda, num_slots, channels, history, dtype=dtype, device=device))
+        H, _, K = config.kda_ssm_state_shape()
+        records = allocate_records(num_kda, num_slots if record_slots is None else record_slots, H, K, channels,
+                                   record_len, dtype, device) if record_len else None
+        kda = KDAStatePools(conv, torch.zeros(num_kda, num_slots, *config.kda_ssm_state_shape(), dtype=state_dtype,
+                                              device=device), records)
+    caches, i = [], 0
+    for layer in range(config.num_hidden_layers):
+        if config.is_kda_layer(layer):
+            caches.append(KimiLayerCache(conv_state=kda.conv_state[i], ssm_state=kda.ssm_state[i],
+                                         records=kda.records.layer(i) if kda.records is not None else None))
+            i += 1
         else:
             caches.append(KimiLayerCache(kv_cache=torch.zeros(num_blocks, block_size, config.mla_cache_dim,
                                                               dtype=dtype, device=device)))
-    return caches
+    return LayerCaches(caches, kda)
 
 
 class KimiDecoderLayer(nn.Module):
@@ -180,12 +209,13 @@ class KimiK3ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return (self.model.norm(hidden_states) @ weight.t()).float()
 
-    def bind_caches(self, caches: list[KimiLayerCache]) -> None:
+    def bind_caches(self, caches: LayerCaches | list[KimiLayerCache]) -> None:
         """Point every layer at its cache views (owned by the engine's cache manager)."""
-        for layer, cache in zip(self.model.layers, caches, strict=True):
+        layers = caches.layers if isinstance(caches, LayerCaches) else caches
+        for layer, cache in zip(self.model.layers, layers, strict=True):
             attn = layer.self_attn
             if layer.is_kda:
-                attn.conv_state, attn.ssm_state = cache.conv_state, cache.ssm_state
+                attn.conv_state, attn.ssm_state, attn.records = cache.conv_state, cache.ssm_state, cache.records
             else:
                 attn.kv_cache = cache.kv_cache
 
