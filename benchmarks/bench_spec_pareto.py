@@ -4,6 +4,7 @@ held-out code completion (exact match against the real continuation, and identic
 
     python benchmarks/bench_spec_pareto.py --out benchmarks/results/gpu/spec_pareto.json [--plot FILE.png]
     python benchmarks/bench_spec_pareto.py --plot-from spec_pareto.json --plot spec_pareto.png
+    python benchmarks/bench_spec_pareto.py --configs none,dspark:3,dspark:3+r,...  # +r: with RecoverSSM
 
 Workload: held-out standard-library code windows (the model and its draft never trained on them) as token
 prompts of `--prompt-len`, greedy, `--output-len` tokens each. At concurrency c, max(c, `--min-requests`)
@@ -34,10 +35,11 @@ from vllm.tools.prepare_corpus import heldout_code_windows
 
 
 def spec_config(name: str, draft: str) -> dict | None:
-    """none | ngram:K | dspark:K | adaptive:K (DSpark with adaptive verification, K the most drafts a row)."""
+    """none | ngram:K | dspark:K | adaptive:K (DSpark with adaptive verification, K the most drafts a row); a
+    `+r` suffix runs the config with RecoverSSM (--use-replayssm)."""
     if name == "none":
         return None
-    method, k = name.split(":")
+    method, k = name.removesuffix("+r").split(":")
     cfg = {"method": "ngram" if method == "ngram" else "dspark", "num_speculative_tokens": int(k)}
     if method != "ngram":
         cfg["model"] = draft
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         spec = spec_config(name, args.draft)
         llm = LLM(device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
                   max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-                  speculative_config=spec,
+                  speculative_config=spec, use_replayssm=name.endswith("+r"),
                   async_scheduling=None if spec is not None and spec["method"] == "ngram" else async_scheduling)
         if windows is None:
             windows = heldout_code_windows(llm.get_tokenizer(), [args.prompt_len + args.answer_len] * num_windows)
@@ -185,7 +187,7 @@ def summarise(rows: list[dict], concurrencies: list[int]) -> dict:
     out = {}
     for c in concurrencies:
         at = {r["config"]: r for r in rows if r["concurrency"] == c}
-        fixed = [r for n, r in at.items() if n.startswith("dspark:")]
+        fixed = [r for n, r in at.items() if n.startswith("dspark:") and not n.endswith("+r")]
         best = max(fixed, key=lambda r: r["per_user_tok_s"]) if fixed else None
         entry = {"speedup_vs_no_spec": {n: r["per_user_tok_s"] / at["none"]["per_user_tok_s"]
                                         for n, r in at.items()} if "none" in at else {}}
@@ -194,6 +196,10 @@ def summarise(rows: list[dict], concurrencies: list[int]) -> dict:
             adaptive = [r for n, r in at.items() if n.startswith("adaptive:")]
             if adaptive:
                 entry["adaptive_over_best_fixed"] = adaptive[0]["per_user_tok_s"] / best["per_user_tok_s"]
+        # RecoverSSM against checkpoint columns, config by config: per-user and aggregate tok/s ratios.
+        entry["recover_over_columns"] = {n: {"per_user": r["per_user_tok_s"] / at[n[:-2]]["per_user_tok_s"],
+                                             "aggregate": r["aggregate_tok_s"] / at[n[:-2]]["aggregate_tok_s"]}
+                                         for n, r in at.items() if n.endswith("+r") and n[:-2] in at}
         out[str(c)] = entry
     return out
 
@@ -206,7 +212,8 @@ def plot(rows: list[dict], path: str) -> None:
     for name in dict.fromkeys(r["config"] for r in rows):
         pts = [r for r in rows if r["config"] == name]
         ax.plot([r["aggregate_tok_s"] for r in pts], [r["per_user_tok_s"] for r in pts], marker="o", label=name,
-                linewidth=2.5 if name.startswith(("adaptive", "none")) else 1)
+                linewidth=2.5 if name.startswith(("adaptive", "none")) else 1,
+                linestyle="--" if name.endswith("+r") else "-")
         for r in pts:
             ax.annotate(str(r["concurrency"]), (r["aggregate_tok_s"], r["per_user_tok_s"]), fontsize=6)
     ax.set_xscale("log")

@@ -116,3 +116,19 @@ def test_one_state_per_request_fits_the_target_and_the_capacity_line_reports_bot
     assert "RecoverSSM:" in line and f"checkpoint columns {columns / 2**20:.2f} MiB" in line, line
     layout = llm.llm_engine.runner.layout
     assert layout.record_bytes > 0 and layout.num_state_slots == llm.llm_engine.kv_cache_manager.num_state_slots
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adaptive", [False, True], ids=["dspark7", "adaptive7"])
+def test_graphs_async_and_adaptive_verification_on_the_gpu(adaptive):
+    """The native kernel's record mode and the Triton commit inside the engine's default CUDA graphs, with async
+    scheduling, at K = 7 with and without adaptive verification: greedy equal to no speculation."""
+    backends = dict(device="cuda", attention_backend="TRITON_MLA", kda_prefill_backend="torch",
+                    kda_decode_backend="native", max_num_seqs=16, gpu_memory_utilization=0.3)
+    want = _ids(_llm(**backends).generate(CODE_PROMPTS, GREEDY, use_tqdm=False))
+    spec = {**_dspark(7), "enable_adaptive_verification": adaptive}
+    llm = _llm(spec, use_replayssm=True, async_scheduling=True, **backends)
+    assert llm.llm_engine.runner.graphs.captured is not None and llm.llm_engine.runner.state_commit is not None
+    assert _ids(llm.generate(CODE_PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert llm.llm_engine.spec_decode_stats.num_accepted_tokens > 0
+    _finish(llm)
