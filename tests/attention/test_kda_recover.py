@@ -140,7 +140,10 @@ def test_commit_kernel_matches_torch(device, act, state):
     want_conv, want_ssm = conv.clone(), ssm.clone()
     commit_torch(want_conv, want_ssm, rec, slots, counts, snap_slots, snap_counts)
     commit_triton(conv, ssm, rec, slots, counts, snap_slots, snap_counts)
-    tol = dict(rtol=0, atol=0) if state == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    # The kernel fuses c k^T into an FMA; torch (and the interpreter) round the product first.
+    exact = state == torch.float32 and device == "cpu"
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-2, atol=1e-2) if state != torch.float32 else \
+        dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ssm, want_ssm, **tol)
     torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
     assert not torch.equal(want_ssm[:, spare[0]], want_ssm[:, spare[2]])  # the taken snapshots were written

@@ -133,14 +133,6 @@ def _fused_kda_decode_kernel(
         if RECORD:
             dst = src
             save = length < 0
-            kd = rec_kd_ptr + src * stride_rkd + (h * Q + t) * 2 * K + offs
-            first_part = valid & (part == 0)
-            tl.store(kd, k * tl.rsqrt(tl.sum(k * k) + L2NORM_EPS), mask=first_part)
-            tl.store(kd + K, tl.exp(g), mask=first_part)
-            x_rec = rec_x_ptr + src * stride_rx + t * 3 * P
-            for qk in tl.static_range(2):
-                tl.store(x_rec + qk * P + ch, tl.load(qkv_ptr + tok * stride_qkv + qk * P + ch, mask=valid),
-                         mask=first_part)
         elif SPEC:
             dst = tl.load(idx_ptr + r * stride_idx + t, mask=valid, other=-1).to(tl.int64)
             save = dst >= 0
@@ -155,6 +147,15 @@ def _fused_kda_decode_kernel(
         wins_k += (win_k,)
         dsts += (dst,)
         saves += (save,)
+        if RECORD:  # the key and decay the recurrence below uses, and the q/k conv inputs, by one part per head
+            kd = rec_kd_ptr + src * stride_rkd + (h * Q + t) * 2 * K + offs
+            first_part = valid & (part == 0)
+            tl.store(kd, ks[t], mask=first_part)
+            tl.store(kd + K, decays[t], mask=first_part)
+            x_rec = rec_x_ptr + src * stride_rx + t * 3 * P
+            for qk in tl.static_range(2):
+                tl.store(x_rec + qk * P + ch, tl.load(qkv_ptr + tok * stride_qkv + qk * P + ch, mask=valid),
+                         mask=first_part)
     if SPLIT == 1:  # the only reader of the head's q/k conv state is done with it: write it back now
         tl.debug_barrier()
         for t in tl.static_range(MAX_T):
@@ -185,7 +186,8 @@ def _fused_kda_decode_kernel(
             v = _conv_silu(wins_v[t], w_v, act)
             S = S * decays[t][None, :]
             c = betas[t] * (v - tl.sum(S * ks[t][None, :], axis=1))
-            S = S + c[:, None] * ks[t][None, :]
+            # An explicit FMA, as RecoverSSM's commit does it: the compiler may not contract it another way.
+            S = tl.fma(c[:, None], ks[t][None, :], S)
             if RECORD:
                 tl.store(rec_c_ptr + src * stride_rc + (h * Q + t) * K + rows, c, mask=t < length)
                 tl.store(rec_x_ptr + src * stride_rx + t * 3 * P + ch_v,

@@ -1,7 +1,7 @@
 """RecoverSSM's commit in Triton: one launch over (rows, KDA layers, heads), see recover.py for the math.
 
 A program owns one (row, layer, head): it streams the head's state rows through registers in blocks of BV, runs
-the row's recorded tokens on each block (the same two operations the verify ran: decay, then add c k^T) and
+the row's recorded tokens on each block (the same two operations the verify ran: decay, then an FMA of c k^T) and
 stores the block once; it then moves the head's q, k and v conv channels n inputs along. Programs touch disjoint
 memory, so there is no ordering between them. Row counts come from the device: the launch is graph-safe.
 """
@@ -50,7 +50,7 @@ def _commit_kernel(conv_ptr, ssm_ptr, c_ptr, kd_ptr, x_ptr, slot_ptr, n_ptr, sna
             d = tl.load(kd_base + (t * 2 + 1) * K + offs, mask=live, other=1.0)
             c = tl.load(c_base + t * K + rows, mask=live, other=0.0)
             step = S * d[None, :]
-            step = step + c[:, None] * k[None, :]
+            step = tl.fma(c[:, None], k[None, :], step)  # the decode kernel's operation, contracted alike
             S = tl.where(live, step, S)
             if SNAP:
                 tl.store(state + snap * s_ssm_slot + tile, S.to(ssm_ptr.dtype.element_ty), mask=m == t + 1)
