@@ -236,3 +236,15 @@ def test_greedy_verify_equals_the_rejection_sampler(seed):
     assert got.shape == (len(counts) + 2, K + 1)
     assert torch.equal(got[:len(counts)], want)
     assert bool((got[len(counts):, 1:] == PLACEHOLDER_TOKEN_ID).all())
+
+
+def test_greedy_verify_stops_at_a_rows_draft_count_when_its_bonus_equals_the_next_rows_token():
+    """Row 0 keeps both its drafts; its bonus argmax is the token the next row starts with, which sits where a
+    third draft of row 0 would: it must not be taken for one."""
+    K = 3
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    step_tokens = torch.tensor([10, 11, 12, 40, 41])  # row 0: current 10, drafts 11, 12; row 1: current 40, draft 41
+    argmax = torch.tensor([11, 12, 40, 7, 8])  # row 0 accepts 11, 12; its bonus is 40 = row 1's first token
+    out = greedy_verify(argmax, step_tokens, qsl, K)
+    assert out.tolist() == [[11, 12, 40, PLACEHOLDER_TOKEN_ID], [7, PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID,
+                                                                 PLACEHOLDER_TOKEN_ID]]

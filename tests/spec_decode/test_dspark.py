@@ -314,3 +314,25 @@ def test_adaptive_verification_refuses_backends_that_cannot_recut_rows(draft_dir
         LLM(dtype="float32", max_model_len=128, attention_backend="TORCH_MLA", kda_decode_backend="torch",
             kda_prefill_backend="torch", speculative_config={
             "method": "dspark", "model": draft_dir, "num_speculative_tokens": 2, "enable_adaptive_verification": True})
+
+
+def test_padding_rows_write_their_context_to_the_scratch_slot_and_nowhere_else(draft):
+    """Graph-padded tokens (slot -1) land in the cache's last slot, which no block table reaches: every real
+    slot but the ones written keeps its bits, slot 0 included (a padding write there corrupted a real block
+    without changing any output, only acceptance)."""
+    _bind(draft)
+    gen = torch.Generator().manual_seed(0)
+    for layer in draft.layers:
+        layer.self_attn.kv_cache.copy_(torch.randn(layer.self_attn.kv_cache.shape, generator=gen))
+    before = [layer.self_attn.kv_cache.clone() for layer in draft.layers]
+    width = draft.context_proj.in_features
+    slots = torch.tensor([5, 9, -1, -1, 17])
+    with torch.inference_mode():
+        draft.write_context(torch.randn(len(slots), width, generator=gen), torch.arange(len(slots)), slots)
+    for layer, old in zip(draft.layers, before):
+        new = layer.self_attn.kv_cache.view(-1, draft.config.mla_cache_dim)
+        old = old.view(-1, draft.config.mla_cache_dim)
+        written = {5, 9, 17, new.shape[0] - 1}
+        kept = [s for s in range(new.shape[0]) if s not in written]
+        assert torch.equal(new[kept], old[kept])
+        assert all(not torch.equal(new[s], old[s]) for s in written)
