@@ -68,10 +68,10 @@ def test_signal_with_requests_in_flight(start_server, read_metrics, sig):
     assert "Traceback" not in err, err[-3000:]
 
 
-def _stalled_stream(server, max_tokens: int = 4000) -> socket.socket:
+def _stalled_stream(server, max_tokens: int = 4000, n: int = 4) -> socket.socket:
     """A streaming request on a raw socket with a tiny receive window, never read; n = 4 samples with top-20
     logprobs make each step's events about 4 KB, so the server's kernel buffers (4 MB at most) fill soon."""
-    body = json.dumps({**BODY, "max_tokens": max_tokens, "stream": True, "logprobs": 20, "n": 4,
+    body = json.dumps({**BODY, "max_tokens": max_tokens, "stream": True, "logprobs": 20, "n": n,
                        "temperature": 0.7, "seed": 0}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -99,7 +99,7 @@ def _wait_until_sends_block(server, read_metrics, limit_s: float = 240) -> None:
 
 def test_sigterm_with_a_client_that_stopped_reading_is_prompt_and_quiet(start_server, read_metrics):
     server = start_server("--max-model-len", "4096", "--shutdown-timeout", "0")
-    stalled = _stalled_stream(server)
+    stalled = _stalled_stream(server, n=16)  # 16 KB of events a step: the buffers fill 4x sooner
     _wait_until_sends_block(server, read_metrics)
     exit_s = server.stop(signal.SIGTERM)
     stalled.close()
