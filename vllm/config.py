@@ -134,7 +134,7 @@ SPEC_METHODS_BUILT = ("ngram", "dspark")
 SPEC_CONFIG_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
                     "dspark": ("method", "num_speculative_tokens", "model", "draft_sample_method",
                                "enable_adaptive_verification")}
-DRAFT_SAMPLE_METHODS = ("greedy",)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 NGRAM_DEFAULT_PROMPT_LOOKUP_MIN = 1
 NGRAM_DEFAULT_PROMPT_LOOKUP_MAX = 4
 # Each request owns 1 + K full KDA recurrent states for its whole life (the checkpoint-slot design,
@@ -159,7 +159,9 @@ class SpeculativeConfig:
 
     dspark: a DSpark draft checkpoint (`model`, a directory) drafts K tokens per decoding request on the device,
     from the target's hidden states (docs/spec_decode.md). draft_sample_method "greedy" (argmax drafts: exact under
-    the rejection sampler for greedy and random requests alike). enable_adaptive_verification: each all-verify
+    the rejection sampler for greedy and random requests alike) or "probabilistic" (a random request's drafts are
+    sampled from the draft's distribution at the request's temperature, which the rejection sampler then takes
+    as q: more drafts accepted where the target is not peaked; greedy requests still draft the argmax). enable_adaptive_verification: each all-verify
     step verifies only the draft tokens worth their cost (vllm/spec_decode/adaptive_verification/).
     """
     method: str

@@ -248,3 +248,23 @@ def test_greedy_verify_stops_at_a_rows_draft_count_when_its_bonus_equals_the_nex
     out = greedy_verify(argmax, step_tokens, qsl, K)
     assert out.tolist() == [[11, 12, 40, PLACEHOLDER_TOKEN_ID], [7, PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID,
                                                                  PLACEHOLDER_TOKEN_ID]]
+
+
+def test_per_request_draft_probs_equal_the_flat_layout():
+    """draft_probs as [B, K, V] (probabilistic DSpark drafts, per request and position) verify exactly as the
+    flat [num_drafts, V] layout, with ragged rows (0..K drafts) and the same random stream."""
+    gen = torch.Generator().manual_seed(9)
+    v, K = 8, 3
+    counts = [3, 0, 1, 2, 3, 1]
+    q = torch.softmax(torch.randn(len(counts), K, v, generator=gen), -1)
+    drafts = [torch.multinomial(q[r, :c], 1, generator=gen).squeeze(1).tolist() if c else []
+              for r, c in enumerate(counts)]
+    meta = SpecDecodeMetadata.from_drafts(drafts, "cpu")
+    logits = torch.randn(sum(counts) + len(counts), v, generator=gen)
+    flat = torch.cat([q[r, :c] for r, c in enumerate(counts)])
+    sampling = sampling_for([SamplingParams(temperature=1.0)] * len(counts))
+    outs = []
+    for probs in (flat, q):
+        torch.manual_seed(5)
+        outs.append(RejectionSampler()(logits, probs, meta, sampling, max_spec_len=K))
+    assert torch.equal(outs[0], outs[1])

@@ -9,8 +9,9 @@ Greedy rows (temperature 0): draft j is accepted iff it equals the argmax of tar
 that row's argmax; all accepted emits the bonus row's argmax. So greedy verification is lossless.
 
 Random rows: p = softmax of the target logits after temperature -> min-p -> top-k/top-p, exactly the chain of
-``Sampler``'s random path (its helpers are reused). q = the draft distribution (``draft_probs``), or the one-hot of the
-draft when ``draft_probs`` is None (ngram drafts are deterministic). Draft x is accepted with probability
+``Sampler``'s random path (its helpers are reused). q = the draft distribution (``draft_probs``: [num_drafts, V] flat,
+or [B, K, V] per request and position), or the one-hot of the draft when ``draft_probs`` is None (ngram and greedy
+DSpark drafts are deterministic). Draft x is accepted with probability
 min(1, p(x)/q(x)); at the first rejection the token is drawn from max(p - q, 0) (renormalised); when every draft was
 accepted the bonus token is drawn from p of the bonus row. Each emitted token is then distributed exactly as p.
 
@@ -133,7 +134,13 @@ class RejectionSampler:
             if num_drafts:
                 safe_ids = draft_ids.clamp_min(0)
                 p_x = probs[row_of_draft, safe_ids]  # [D], no [D, V] copy
-                q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[flat, safe_ids].float()
+                if draft_probs is None:
+                    q_x = torch.ones_like(p_x)
+                elif draft_probs.dim() == 3:  # per request and position: [B, >= width, V]
+                    q_x = draft_probs[req_of_draft, pos_of_draft.clamp(max=draft_probs.shape[1] - 1),
+                                      safe_ids].float()
+                else:
+                    q_x = draft_probs[flat, safe_ids].float()
                 uniforms = self._uniforms(num_reqs, width, meta.num_draft_tokens, sampling.generators, device)
                 u = uniforms[req_of_draft, pos_of_draft.clamp(max=uniforms.shape[1] - 1)]
                 # u in [0, 1): P(u * q < p) = min(1, p / q), and p(x) = 0 is never accepted.
@@ -165,6 +172,9 @@ class RejectionSampler:
             elif draft_probs is None:
                 q_final = torch.zeros_like(p_final)
                 q_final.scatter_(1, draft_at_a.clamp_min(0).unsqueeze(1), use_q.to(p_final.dtype).unsqueeze(1))
+                residual = (p_final - q_final).clamp_min(0)
+            elif draft_probs.dim() == 3:
+                q_final = draft_probs[req_idx, a.clamp(max=draft_probs.shape[1] - 1)].float() * use_q.unsqueeze(1)
                 residual = (p_final - q_final).clamp_min(0)
             else:
                 q_idx = (draft_start + a).clamp(max=num_drafts - 1)

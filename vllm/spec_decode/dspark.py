@@ -49,8 +49,9 @@ def context_buckets(max_model_len: int) -> list[int]:
 
 class DSparkProposer:
     def __init__(self, draft: DSparkDraftModel, target: KimiK3ForCausalLM, num_speculative_tokens: int,
-                 max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int) -> None:
+                 max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, probabilistic: bool = False) -> None:
         self.draft, self.target, self.num_spec = draft, target, num_speculative_tokens
+        self.probabilistic = probabilistic  # draft_sample_method "probabilistic": graphs sample at each row's T
         cfg = draft.config
         weight = target.model.embed_tokens.weight
         self.context = torch.zeros(max_num_tokens, len(cfg.target_layer_ids) * target.config.hidden_size,
@@ -60,6 +61,7 @@ class DSparkProposer:
         self.anchor_ids = torch.zeros(max_num_reqs, dtype=torch.int64, device=weight.device)
         self.anchor_pos = torch.zeros(max_num_reqs, dtype=torch.int64, device=weight.device)
         self.block_table = torch.zeros(max_num_reqs, max_blocks_per_req, dtype=torch.int32, device=weight.device)
+        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32, device=weight.device)
         self.graphs = None  # the runner's CUDAGraphRunner once captured
         self.graph_keys: frozenset[DraftGraphKey] = frozenset()
         self.graph_reqs: list[int] = []
@@ -98,28 +100,36 @@ class DSparkProposer:
         key = DraftGraphKey(n, c)
         return key if key in self.graph_keys else None
 
-    def _propose_padded(self, key: DraftGraphKey) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _propose_padded(self, key: DraftGraphKey):
         n = key.num_reqs
-        return self._run(self.anchor_ids[:n], self.anchor_pos[:n], self.block_table[:n], key.max_context, True)
+        return self._run(self.anchor_ids[:n], self.anchor_pos[:n], self.block_table[:n], key.max_context, True,
+                         self.temperature[:n] if self.probabilistic else None)
 
     def _run(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor, max_context: int,
-             with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             with_confidence: bool, temperature: torch.Tensor | None = None):
         target = self.target
         lm_head = target.model.embed_tokens.weight if target.config.tie_word_embeddings else target.lm_head.weight
         return self.draft.propose(anchor_ids, anchor_pos, block_table, max_context, self.num_spec,
-                                  target.model.embed_tokens, lm_head, with_confidence)
+                                  target.model.embed_tokens, lm_head, with_confidence, temperature)
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
-                max_context: int, with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts [N, K] and, when asked for (adaptive verification reads them), confidences [N, K]. Request n's
-        anchor anchor_ids[n] sits at anchor_pos[n] <= max_context (host) with its blocks in block_table[n]."""
+                max_context: int, with_confidence: bool, temperature: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Drafts [N, K], confidences [N, K] when asked for (adaptive verification reads them), and with
+        `temperature` [N] (probabilistic drafts; None: every row greedy) the draft distributions [N, K, V]. Request
+        n's anchor anchor_ids[n] sits at anchor_pos[n] <= max_context (host) with its blocks in block_table[n]."""
         num_reqs = anchor_ids.shape[0]
         key = self._graph_key(num_reqs, max_context) if self.graphs is not None else None
         if key is None:
-            return self._run(anchor_ids, anchor_pos, block_table, max_context, with_confidence)
+            return self._run(anchor_ids, anchor_pos, block_table, max_context, with_confidence, temperature)
         self.anchor_ids[:num_reqs].copy_(anchor_ids)
         self.anchor_pos[:num_reqs].copy_(anchor_pos)
         self.anchor_pos[num_reqs:key.num_reqs].zero_()  # padding rows attend to no context
         self.block_table[:num_reqs, :block_table.shape[1]].copy_(block_table)
-        drafts, confidence = self.graphs.replay(key)
-        return drafts[:num_reqs], (confidence[:num_reqs] if with_confidence and confidence is not None else None)
+        if self.probabilistic:
+            self.temperature[:key.num_reqs].zero_()
+            if temperature is not None:
+                self.temperature[:num_reqs].copy_(temperature)
+        drafts, confidence, probs = self.graphs.replay(key)
+        return (drafts[:num_reqs], confidence[:num_reqs] if with_confidence and confidence is not None else None,
+                probs[:num_reqs] if temperature is not None and probs is not None else None)

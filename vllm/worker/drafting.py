@@ -43,7 +43,8 @@ def load_dspark(config: VllmConfig, target: torch.nn.Module) -> DSparkProposer |
                 draft.config.num_hidden_layers, list(draft.config.target_layer_ids), K)
     sc = config.scheduler_config
     return DSparkProposer(draft, target, K, sc.max_num_batched_tokens, sc.max_num_seqs,
-                          -(-sc.max_model_len // config.cache_config.block_size))
+                          -(-sc.max_model_len // config.cache_config.block_size),
+                          probabilistic=spec.draft_sample_method == "probabilistic")
 
 
 def draft_room(req: Request) -> int:
@@ -80,6 +81,18 @@ class Drafting:
                     # The next row starts at num_computed_tokens, which counts drafts in flight as accepted.
                     room = min(draft_room(req), self.max_model_len - req.num_computed_tokens - 1, self.num_spec)
                 req.spec_token_ids = [DEVICE_DRAFT_TOKEN_ID] * max(room, 0)
+
+    @staticmethod
+    def draft_probs_for(out: SchedulerOutput, last: AsyncModelRunnerOutput) -> torch.Tensor:
+        """The distributions the step before sampled this step's verify rows' drafts from, [verify rows, K, V] in
+        verify-row order (zeros for a row it did not draft: its drafts are placeholders, which q never weighs)."""
+        index = {rid: i for i, rid in enumerate(last.draft_rows)}
+        rows = [index.get(s.request.request_id, -1) for s in out.scheduled if s.draft_token_ids]
+        probs = last.draft_probs
+        if all(i >= 0 for i in rows):
+            return probs[async_tensor_h2d(rows, torch.int64, probs.device)]
+        padded = torch.cat([probs, probs.new_zeros(1, *probs.shape[1:])])
+        return padded[async_tensor_h2d([i if i >= 0 else len(probs) for i in rows], torch.int64, probs.device)]
 
     def draft_on_device(self, out: SchedulerOutput, common: CommonAttentionMetadata, tokens: StepTokens,
                         tail: DecodeTail | None, positions: torch.Tensor, with_confidence: bool,
@@ -126,10 +139,15 @@ class Drafting:
                  block_table: torch.Tensor, max_context: int, with_confidence: bool,
                  can_trim: Callable[[int, int], bool] | None, result: AsyncModelRunnerOutput) -> None:
         self.confidences.before_redraft()
-        drafts, confidence = self.dspark.propose(anchors, positions, block_table, max_context,
-                                                 with_confidence=with_confidence)
+        temperature = None
+        if self.dspark.probabilistic:
+            temps = [out.scheduled[r].request.sampling_params.temperature for r in rows]
+            if any(t > 0 for t in temps):  # all greedy: argmax drafts, no distributions to keep
+                temperature = async_tensor_h2d(temps, torch.float32, anchors.device)
+        drafts, confidence, probs = self.dspark.propose(anchors, positions, block_table, max_context,
+                                                        with_confidence=with_confidence, temperature=temperature)
         result.draft_rows = [out.scheduled[r].request.request_id for r in rows]
-        result.drafts = drafts
+        result.drafts, result.draft_probs = drafts, probs
         if confidence is not None:
             # The rows drafted here are the next all-verify step's: its budget may not read their confidences.
             n = len(result.draft_rows)

@@ -273,7 +273,11 @@ class ModelRunner:
         hidden, tail = self.graphs.run(common)
         result = AsyncModelRunnerOutput(num_tokens=common.num_actual_tokens, recut=trimmed is not None,
                                         survival_prediction=prediction)
-        tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result)
+        draft_probs = None
+        if last is not None and last.draft_probs is not None and spec_sampling is not None \
+                and not spec_sampling.all_greedy:
+            draft_probs = self.drafting.draft_probs_for(out, last)
+        tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result, draft_probs)
         saved, decode_saves = self.snapshots.save(out.saves, common, self.input_batch.positions.gpu, tokens)
         if self.state_commit is not None:  # RecoverSSM: the rows' kept tokens into their states
             self.state_commit(common, tokens, decode_saves)

@@ -61,6 +61,9 @@ class AsyncModelRunnerOutput:
     # them (InputBatch.prepare); the host only learns how many each request got.
     draft_rows: list[str] = field(default_factory=list)  # requests the DSpark draft proposed for, in order
     drafts: torch.Tensor | None = None  # device [draft rows, K]
+    # Probabilistic drafts: the distributions they were sampled from, device [draft rows, K, V] float32 (None
+    # when every row drafted greedily): the next step's rejection sampler takes them as q.
+    draft_probs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None  # recorded behind the host copies (CUDA only)
     waited: float = 0.0  # seconds get_output() waited for the device
     num_tokens: int = 0  # target tokens the step ran, after any device trim, without graph padding

@@ -43,9 +43,11 @@ class SampleStep:
 
     def __call__(self, out: SchedulerOutput, common: CommonAttentionMetadata, hidden: torch.Tensor,
                  tail: DecodeTail | None, sampling: SamplingMetadata | None, spec_sampling: SamplingMetadata | None,
-                 trimmed: list[int] | None, result: AsyncModelRunnerOutput) -> StepTokens:
+                 trimmed: list[int] | None, result: AsyncModelRunnerOutput,
+                 draft_probs: torch.Tensor | None = None) -> StepTokens:
         """Queues the step's verification, sampling and prompt logprobs into `result`. `trimmed`: the row lengths
-        of an all-verify step the device re-cut (every token is then a logits row), else None."""
+        of an all-verify step the device re-cut (every token is then a logits row), else None. `draft_probs`:
+        probabilistic drafts' distributions [verify rows, K, V] (None: drafts are deterministic)."""
         T = common.num_actual_tokens
         ends = common.query_start_loc_cpu[1:common.num_reqs + 1].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
@@ -109,7 +111,7 @@ class SampleStep:
                 cu = packed[at:at + len(drafts) + 1].int()
                 at += len(drafts) + 1
             verified = self._verify(out, logits[:num_verify_logits], verify_rows, token_idx, cu, drafts,
-                                    spec_sampling, result)
+                                    spec_sampling, result, draft_probs)
 
         if gather_argmax:
             argmax_rows = packed[at:at + len(sample_rows)]
@@ -176,7 +178,7 @@ class SampleStep:
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[int], token_idx: torch.Tensor,
                 cu_num_logits: torch.Tensor, num_draft_tokens: list[int], sampling: SamplingMetadata,
-                result: AsyncModelRunnerOutput) -> torch.Tensor:
+                result: AsyncModelRunnerOutput, draft_probs: torch.Tensor | None = None) -> torch.Tensor:
         """Rejection-sample the verify `rows`; returns their tokens [rows, 1 + K] (accepted, then placeholders).
         token_idx (device) lists each row's tokens in the step (its current token, then its drafts), each one a
         row of `logits`; cu_num_logits (device) cuts them into rows. The drafts are read from the input batch's
@@ -189,6 +191,6 @@ class SampleStep:
         draft_rows = (~first).nonzero_static(size=sum(num_draft_tokens)).squeeze(1)  # no host sync
         drafts = self.draft_ids[token_idx[draft_rows]]
         meta = SpecDecodeMetadata(drafts, num_draft_tokens, cu_num_logits)
-        tokens = self.rejection_sampler(logits, None, meta, sampling, max_spec_len=self.num_spec)
+        tokens = self.rejection_sampler(logits, draft_probs, meta, sampling, max_spec_len=self.num_spec)
         self._queue_verified(out, rows, tokens, result)
         return tokens

@@ -235,9 +235,13 @@ class DSparkDraftModel(nn.Module):
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
                 max_context: int, num_tokens: int, embed: nn.Embedding,
-                lm_head_weight: torch.Tensor, with_confidence: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy drafts [N, num_tokens] and their confidences [N, num_tokens] (None without the head or when
-        not asked for).
+                lm_head_weight: torch.Tensor, with_confidence: bool = True, temperature: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Drafts [N, num_tokens], their confidences [N, num_tokens] (None without the head or when not asked
+        for) and, with `temperature` [N] (probabilistic drafts), the distributions they were drawn from
+        [N, num_tokens, V] float32: a row at temperature T > 0 samples softmax(logits / T), a row at 0 takes the
+        argmax (its distribution row is then unused). Sampling is an exponential race over the device RNG, so it
+        replays in a CUDA graph.
 
         Request n's anchor anchor_ids[n] sits at anchor_pos[n]; its context is positions [0, anchor_pos[n]) of
         the cache rows block_table[n]. max_context (host) bounds every anchor_pos, so nothing syncs."""
@@ -252,13 +256,19 @@ class DSparkDraftModel(nn.Module):
         mask = torch.cat([valid[:, None, :].expand(N, K, -1), valid.new_ones(N, K, K)], dim=-1)  # block: whole
         h = self.backbone(self.block_inputs(anchor_ids, K, embed), positions, contexts, mask)
         base = h @ lm_head_weight.t()  # [N, K, V]
-        tokens, prevs = [], []
+        tokens, prevs, probs = [], [], []
         prev = anchor_ids
         for i in range(K):  # left to right: position i's Markov bias depends on the token drafted at i-1
             prevs.append(prev)
-            prev = self.markov_logits(base[:, i], prev).argmax(-1)
+            logits = self.markov_logits(base[:, i], prev)
+            prev = logits.argmax(-1)
+            if temperature is not None:
+                q = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
+                sampled = (q / torch.empty_like(q).exponential_()).argmax(-1)
+                prev = torch.where(temperature > 0, sampled, prev)
+                probs.append(q)
             tokens.append(prev)
         confidence = None
         if with_confidence and hasattr(self, "confidence_head"):
             confidence = self.confidence(h, torch.stack(prevs, dim=1))
-        return torch.stack(tokens, dim=1), confidence
+        return torch.stack(tokens, dim=1), confidence, torch.stack(probs, dim=1) if probs else None
