@@ -41,9 +41,10 @@ def stub_forward(ids, positions, meta, *, hidden, dtype, device):
     return torch.zeros(ids.shape[0], hidden, dtype=dtype, device=device)
 
 
-def stub_propose(anchor_ids, *args, K, **kwargs):
+def stub_propose(anchor_ids, *args, K, outputs=3, **kwargs):
+    """Zero drafts, no confidences (and no draft distributions, for trees whose propose returns them)."""
     import torch
-    return torch.zeros(anchor_ids.shape[0], K, dtype=torch.int64, device=anchor_ids.device), None
+    return (torch.zeros(anchor_ids.shape[0], K, dtype=torch.int64, device=anchor_ids.device),) + (None,) * (outputs - 1)
 
 
 def run_cases(args) -> dict:
@@ -75,7 +76,9 @@ def run_cases(args) -> dict:
                 stub_forward, hidden=engine.config.model_config.hf_config.hidden_size, dtype=runner.dtype,
                 device=runner.device)
             if runner.drafter is not None:  # drafts of zeros, which the stub's greedy tokens accept
-                runner.drafter.draft.propose = functools.partial(stub_propose, K=args.num_spec)
+                # Trees before probabilistic drafts return (drafts, confidences), later ones add the distributions.
+                outputs = 3 if hasattr(runner.drafter, "probabilistic") else 2
+                runner.drafter.draft.propose = functools.partial(stub_propose, K=args.num_spec, outputs=outputs)
                 runner.drafter.write_context = lambda *a: None
         for n in counts:
             rng = random.Random(n)

@@ -77,7 +77,7 @@ def test_context_is_read_through_the_block_table_and_only_below_the_anchor(draft
         return torch.tensor([blocks + [0] * (6 - len(blocks))], dtype=torch.int32)
 
     table_a = write([3, 7, 1], ctx)
-    alone, conf = _propose(draft, target, [42], [8], table_a, 10)
+    alone, conf, _ = _propose(draft, target, [42], [8], table_a, 10)
     assert alone.shape == (1, 4) and conf.shape == (1, 4) and ((conf > 0) & (conf < 1)).all()
     table_b = write([12, 2, 9], ctx)
     assert torch.equal(_propose(draft, target, [42], [8], table_b, 10)[0], alone)

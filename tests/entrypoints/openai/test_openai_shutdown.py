@@ -122,11 +122,16 @@ def test_sigint_while_loading_is_one_line(tmp_path):
     out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0"],
                             stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while "INFO" not in Path(err.name).read_text() and time.monotonic() < deadline:  # loading has begun
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(30) == 130
+    try:
+        deadline = time.monotonic() + 60
+        while "INFO" not in Path(err.name).read_text() and time.monotonic() < deadline:  # loading has begun
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, Path(err.name).read_text()[-3000:]
+    finally:
+        if proc.poll() is None:  # a failed run leaves no server behind
+            proc.kill()
+            proc.wait()
     text = Path(err.name).read_text()
     assert "Traceback" not in text and "interrupted" in text, text[-3000:]
 

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -96,6 +99,12 @@ SERVER_ARGS = {a.name: a for a in [
 
 
 def run(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as loading:
+        return _run(args, loading, loading.enter_context(remembered_interrupts()))
+
+
+def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: list[int]) -> int:
+    """`loading` holds SIGINT's remembering handler until the engine is up; `interrupted` says if one came."""
     if args.model_tag is not None:
         if args.model not in (EngineArgs.model, args.model_tag):
             raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model={args.model!r}: "
@@ -156,7 +165,28 @@ def run(args: argparse.Namespace) -> int:
                               tools=tools, show_hidden_metrics=show_hidden_metrics, max_logprobs=max_logprobs)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        loading.close()  # SIGINT's usual handling back, until the server installs its own
+        if interrupted:  # a Ctrl-C some library swallowed while loading (seen on a loaded CI box): honour it now
+            asyncio.run(engine.shutdown())
+            raise KeyboardInterrupt
         return run_server(engine, settings, sock, args.uvicorn_log_level)
+
+
+@contextlib.contextmanager
+def remembered_interrupts():
+    """SIGINT raises KeyboardInterrupt as usual and is also remembered (the yielded list), so that one lost in
+    third-party code while loading (a bare `except:` around a probe) still stops the server once loading ends."""
+    interrupted: list[int] = []
+
+    def on_sigint(sig, frame):
+        interrupted.append(sig)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def show_hidden_metrics_for(version: str | None) -> bool:
