@@ -164,7 +164,12 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
                               access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs,
                               tools=tools, show_hidden_metrics=show_hidden_metrics, max_logprobs=max_logprobs)
     with sock:
-        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        try:
+            engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        except Exception:
+            if interrupted:  # the engine core died of the same Ctrl-C (a terminal's reaches the whole group)
+                raise KeyboardInterrupt from None
+            raise
         loading.close()  # SIGINT's usual handling back, until the server installs its own
         if interrupted:  # a Ctrl-C some library swallowed while loading (seen on a loaded CI box): honour it now
             asyncio.run(engine.shutdown())
