@@ -111,3 +111,38 @@ def test_a_config_file_nested_too_deeply_is_one_line(tmp_path, capsys):
     config.write_text("max-model-len: " + "[" * 100_000 + "]" * 100_000 + "\n")
     assert main(["serve", "--config", str(config)]) == 2
     assert capsys.readouterr().err.strip() == f"error: --config {config}: lists or mappings nested too deeply to read"
+
+
+def test_serve_honours_a_ctrl_c_that_loading_swallowed(monkeypatch):
+    """A SIGINT lost inside third-party code while the engine loads (a bare `except:`) still stops `vllm serve`
+    once loading ends: the engine is shut down and the interrupt raised, never the server started."""
+    import os
+    import signal
+
+    from vllm.engine.async_llm import AsyncLLM
+    from vllm.entrypoints.cli import serve
+    from vllm.entrypoints.cli.main import build_parser
+    from vllm.entrypoints.openai import api_server
+
+    shut = []
+
+    class Engine:
+        async def shutdown(self):
+            shut.append(True)
+
+    def loading_that_swallows(cls, args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            pass
+        return Engine()
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(loading_that_swallows))
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **k: pytest.fail("the server started"))
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        serve.run(build_parser().parse_args(["serve", "--port", "0"]))
+    assert shut == [True]
+    assert signal.getsignal(signal.SIGINT) is previous, "loading's handler is gone"

@@ -16,7 +16,7 @@ from vllm.attention.backend import CommonAttentionMetadata
 from vllm.config import VllmConfig
 from vllm.core.request import Request
 from vllm.core.scheduler import SchedulerOutput
-from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID, PLACEHOLDER_TOKEN_ID
+from vllm.core.sentinels import DEVICE_DRAFT_TOKEN_ID
 from vllm.model_executor.dspark_loader import load_dspark_draft
 from vllm.spec_decode.adaptive_verification import DraftConfidences
 from vllm.spec_decode.dspark import DSparkProposer
@@ -127,7 +127,7 @@ class Drafting:
             anchors.append(tokens.sampled[packed[:p]])
             anchor_pos.append(positions[packed[p:2 * p]] + 1)
         if verify_rows:
-            emitted = (tokens.verified != PLACEHOLDER_TOKEN_ID).sum(1)
+            emitted = tokens.emitted()
             anchors.append(tokens.verified.gather(1, (emitted - 1)[:, None]).squeeze(1))
             first = common.query_start_loc[step_rows[p:]].long()
             anchor_pos.append(positions[first] + emitted)

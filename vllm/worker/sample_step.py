@@ -15,6 +15,7 @@ import torch
 
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.scheduler import SchedulerOutput
+from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
@@ -30,6 +31,14 @@ class StepTokens:
     verify_rows: list[int]
     verified: torch.Tensor | None  # [len(verify_rows), 1 + K]: accepted tokens, then placeholders
     greedy_in_graph: bool  # every row's tokens are the graph's greedy ones (its anchors are exact)
+    _emitted: torch.Tensor | None = None
+
+    def emitted(self) -> torch.Tensor:
+        """Device int64 [len(verify_rows)]: the tokens each verify row emitted (its accepted drafts plus one), counted
+        once for the step's consumers (the drafter's anchors, snapshot saves, RecoverSSM's commit)."""
+        if self._emitted is None:
+            self._emitted = (self.verified != PLACEHOLDER_TOKEN_ID).sum(1)
+        return self._emitted
 
 
 class SampleStep:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
 from vllm.utils import async_tensor_h2d
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class StateSnapshots:
         # How far the row's state is right: a verify row's accepted tokens, every token of another row.
         reach = length
         if tokens.verified is not None and tokens.verify_rows:
-            emitted = (tokens.verified != PLACEHOLDER_TOKEN_ID).sum(1)
+            emitted = tokens.emitted()
             reach = torch.where(vi >= 0, emitted[vi.clamp(min=0)], length)
         slots = common.state_indices.long()
         last = col == length - 1
