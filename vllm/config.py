@@ -16,6 +16,7 @@ from vllm.transformers_utils.generation_config import eos_token_ids, sampling_de
 MLA_BACKENDS = ("auto", "TORCH_MLA", "TRITON_MLA", "FLASHINFER_MLA")
 KDA_PREFILL_BACKENDS = ("auto", "torch", "triton", "flashkda", "flashinfer")
 KDA_DECODE_BACKENDS = ("auto", "torch", "native", "triton", "flashinfer")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: random weights from config.json (model_executor/dummy_loader)
 STATE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -50,8 +51,10 @@ class ModelConfig:
     trust_remote_code: bool = False  # the tokenizer may run its checkpoint's own code
     generation_config: str = "auto"  # --generation-config: auto, vllm or a directory
     hf_generation_config: dict = field(default_factory=dict)  # that generation_config.json's fields ({}: none)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.load_format in LOAD_FORMATS, "--load-format", self.load_format, " or ".join(LOAD_FORMATS))
         limit = self.hf_config.max_position_embeddings
         _require(1 <= self.max_model_len <= limit, "--max-model-len", self.max_model_len,
                  f"1 <= value <= the model's max_position_embeddings={limit}")
@@ -161,8 +164,9 @@ class SpeculativeConfig:
     from the target's hidden states (docs/spec_decode.md). draft_sample_method "greedy" (argmax drafts: exact under
     the rejection sampler for greedy and random requests alike) or "probabilistic" (a random request's drafts are
     sampled from the draft's distribution at the request's temperature, which the rejection sampler then takes
-    as q: more drafts accepted where the target is not peaked; greedy requests still draft the argmax). enable_adaptive_verification: each all-verify
-    step verifies only the draft tokens worth their cost (vllm/spec_decode/adaptive_verification/).
+    as q: more drafts accepted where the target is not peaked; greedy requests still draft the argmax).
+    enable_adaptive_verification: each all-verify step verifies only the draft tokens worth their cost
+    (vllm/spec_decode/adaptive_verification/).
     """
     method: str
     num_speculative_tokens: int

@@ -3,6 +3,7 @@ batching, chunked prefill, preemption and late arrivals, bad input, seeded sampl
 state slot is free again after each test."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -495,3 +496,18 @@ def test_default_model_sharded_in_the_hugging_face_cache_layout_serves(make_llm,
     llm = make_llm(model=str(snapshot), max_model_len=64, kv_cache_memory_bytes=1 << 24)
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and out[0].prompt == "Hello"
+
+
+def test_load_format_dummy_serves_from_config_json_alone(tmp_path, make_llm):
+    """Upstream's --load-format dummy: a model directory with only config.json generates (random weights, the
+    built-in tokenizer given separately), the same tokens for the same seed."""
+    (tmp_path / "config.json").write_text((DEFAULT_MODEL_DIR / "config.json").read_text())
+    llm = make_llm(model=str(tmp_path), tokenizer=str(DEFAULT_MODEL_DIR), load_format="dummy", seed=3)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts([5, 9], seed=1), GREEDY, use_tqdm=False)]
+    assert all(len(t) == GREEDY.max_tokens for t in first)
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts([5, 9], seed=1), GREEDY, use_tqdm=False)]
+    assert again == first
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--load-format", "dummy"])
+    assert EngineArgs.from_cli_args(args).load_format == "dummy"
+    with pytest.raises(ValueError, match="--load-format='pt' is invalid: expected auto or safetensors or dummy"):
+        LLM(model=str(tmp_path), tokenizer=str(DEFAULT_MODEL_DIR), load_format="pt")

@@ -7,6 +7,7 @@ expert, one token, no token).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, grouped_topk, moe_align_block_size
 from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, pipelined_smem_bytes
+from vllm.model_executor.layers.fused_moe.tile_configs import (CONFIG_DIR, config_file_name, load_table,
+                                                               table_to_json, tuned_config)
 from vllm.model_executor.models.kimi_k3 import moe as moe_module
 from vllm.model_executor.models.kimi_k3.moe import KimiMoE, KimiRouter
 from vllm.tools.make_tiny_model import tiny_text_config
@@ -212,3 +215,59 @@ def test_tiles_that_fit_are_kept_as_tuned():
     fp32 = pick_config(8192, 8, 704, 2048, 132, 4, 232_448)
     assert pipelined_smem_bytes(GemmConfig(128, 128, 64, 8, 4), 2, 4) == 294_912 > 232_448
     assert [c.num_stages for c in fp32] == [3, 3] and fp32[0].block_m == bf16[0].block_m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [(GemmConfig(16, 16, 32, 4, 2), GemmConfig(16, 32, 16, 4, 3)),
+                                   (GemmConfig(32, 32, 16, 4, 2), GemmConfig(32, 16, 32, 4, 2))],
+                         ids=["bm16", "bm32"])
+def test_explicit_tiles_give_the_same_experts(device, tiles):
+    """The tuner times candidate tiles through `tiles=`: every candidate must compute the same function."""
+    gen = torch.Generator().manual_seed(11)
+    D, inter, E, T, k = 64, 48, 8, 21, 3  # neither width a multiple of every tile: the masks are exercised
+    w13, w2 = make_experts(E, D, inter, torch.float32, device, gen)
+    x = torch.randn(T, D, generator=gen).to(device)
+    weights, ids = random_routing(T, E, k, gen)
+    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), ACTIVATIONS[0], tiles=tiles)
+    torch.testing.assert_close(y.double().cpu(), reference(x, w13, w2, weights, ids, ACTIVATIONS[0]),
+                               rtol=1e-4, atol=1e-4)
+
+
+def _write_table(directory, name, table):
+    (directory / name).write_text(json.dumps(table_to_json(table)))
+    load_table.cache_clear()
+
+
+def test_tuned_table_gives_the_nearest_token_count(tmp_path):
+    name = config_file_name(256, 1024, 2304, "cpu", torch.bfloat16)
+    assert name == "E=256,N=1024,K=2304,device_name=cpu,dtype=bf16.json"
+    small, big = (GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 64, 128, 4, 4)), \
+        (GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3))
+    _write_table(tmp_path, name, {16: small, 4096: big})
+    cpu = torch.device("cpu")
+    pick = lambda t: tuned_config(t, 256, 1024, 2304, torch.bfloat16, cpu, tmp_path)  # noqa: E731
+    assert pick(1) == small and pick(2055) == small and pick(2057) == big and pick(100_000) == big
+    assert tuned_config(16, 256, 1024, 2304, torch.float16, cpu, tmp_path) is None, "another dtype has no table"
+    assert tuned_config(16, 128, 1024, 2304, torch.bfloat16, cpu, tmp_path) is None, "another shape has none"
+
+
+def test_malformed_tile_tables_are_refused_by_name(tmp_path):
+    name = config_file_name(8, 32, 64, "cpu", torch.float32)
+    (tmp_path / name).write_text('{"16": {"up": {"block_m": 16}}}')
+    load_table.cache_clear()
+    with pytest.raises(ValueError, match=f"{name}.*malformed"):
+        tuned_config(16, 8, 32, 64, torch.float32, torch.device("cpu"), tmp_path)
+    _write_table(tmp_path, name, {16: (GemmConfig(16, 32, 64, 4, 3), GemmConfig(32, 32, 64, 4, 3))})
+    with pytest.raises(ValueError, match="share block_m"):
+        tuned_config(16, 8, 32, 64, torch.float32, torch.device("cpu"), tmp_path)
+
+
+def test_shipped_tile_tables_parse_and_fit_hopper():
+    """Every table in the package loads, and its tiles fit an H100/H200's shared memory as they are."""
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    for f in files:
+        load_table.cache_clear()
+        table = load_table(f.name)
+        elem = 4 if "dtype=fp32" in f.name else 2
+        for up, down in table.values():
+            assert pipelined_smem_bytes(up, 2, elem) <= 232_448 and pipelined_smem_bytes(down, 1, elem) <= 232_448

@@ -346,3 +346,44 @@ def test_wrong_typed_config_fields_name_the_file_and_field(tmp_path, field, valu
     write(tmp_path, config=tiny_text_config("kimi_linear", **{field: value}))
     with raises(CheckpointError, str(tmp_path / "config.json"), fragment):
         load_config(tmp_path)
+
+
+# ---- --load-format dummy ---------------------------------------------------------------------------------------
+def config_only(path: Path, config: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or family_config("kimi_linear")))
+    return path
+
+
+def test_dummy_weights_need_only_config_json(tmp_path):
+    """A directory with config.json and no safetensors loads with load_format='dummy': every parameter filled
+    (no NaN, no uninitialised storage), the same per seed and different across seeds; a forward runs finite."""
+    d = config_only(tmp_path / "m")
+    a, b = load_model(d, "float32", load_format="dummy", seed=1), load_model(d, "float32", load_format="dummy", seed=1)
+    assert_same_params(a, b)
+    c = load_model(d, "float32", load_format="dummy", seed=2)
+    assert not torch.equal(params(a)[Q_PROJ], params(c)[Q_PROJ])
+    for name, p in params(a).items():
+        assert torch.isfinite(p).all(), name
+    assert (params(a)["model.norm.weight"] == 1).all(), "norm gains start at one"
+    with raises(CheckpointNotFoundError, "no weights"):
+        load_model(d, "float32")  # the default format still wants the checkpoint
+
+
+def test_dummy_routing_spreads_over_the_experts(tmp_path):
+    """The reason dummy weights are not upstream's U(-1e-3, 1e-3): tokens must pick many different experts, as a
+    trained model's do, or a MoE benchmark would read a handful of experts per step."""
+    cfg = family_config("kimi_linear")
+    model = load_model(config_only(tmp_path / "m", cfg), "float32", load_format="dummy", seed=0)
+    moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    x = model.model.embed_tokens(torch.randint(0, cfg["vocab_size"], (64,), generator=torch.Generator().manual_seed(0)))
+    _, ids = moe.gate(x)
+    E, k = moe.gate.weight.shape[0], ids.shape[1]
+    assert ids.unique().numel() >= min(E, 4 * k), (ids.unique().numel(), E, k)
+    first = ids[:, 0]
+    assert first.unique().numel() > 1, "different tokens choose different top experts"
+
+
+def test_unknown_load_format_is_refused_by_name(tmp_path):
+    with raises(ValueError, "load_format='pt'", "auto, safetensors, dummy"):
+        load_model(config_only(tmp_path / "m"), "float32", load_format="pt")

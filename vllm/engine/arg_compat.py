@@ -83,7 +83,6 @@ ENGINE_ARGS = {a.name: a for a in [
                 lambda v: True),
     UpstreamArg("cpu_offload_gb", UNSUPPORTED, "weights stay on the device", (), float, _is(0, 0.0)),
     UpstreamArg("quantization", UNSUPPORTED, "quantized checkpoints are not supported", ("-q",), str),
-    UpstreamArg("load_format", UNSUPPORTED, "only safetensors checkpoints load", (), str, _is("auto", "safetensors")),
     UpstreamArg("revision", UNSUPPORTED, "models load from local directories only", (), str),
     UpstreamArg("code_revision", UNSUPPORTED, "models load from local directories only", (), str),
     UpstreamArg("tokenizer_revision", UNSUPPORTED, "tokenizers load from local directories only", (), str),

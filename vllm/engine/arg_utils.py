@@ -13,9 +13,9 @@ import torch
 
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.arg_compat import ENGINE_ARGS, add_upstream_args, check_upstream_args, json_text
-from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, MLA_BACKENDS, STATE_DTYPES, CacheConfig,
-                         CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                         VllmConfig)
+from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, LOAD_FORMATS, MLA_BACKENDS, STATE_DTYPES,
+                         CacheConfig, CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig,
+                         SpeculativeConfig, VllmConfig)
 from vllm.model_executor.model_loader import load_config, read_config_json, resolve_dtype
 from vllm.transformers_utils.generation_config import log_defaults, read_generation_config
 
@@ -57,6 +57,7 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on for CUDA unless ngram speculates
     trust_remote_code: bool = False
     generation_config: str | os.PathLike = "auto"  # auto: the model's generation_config.json; vllm: none; or a dir
+    load_format: str = "auto"  # auto/safetensors: the checkpoint; dummy: random weights from config.json
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -76,6 +77,9 @@ class EngineArgs:
         g.add_argument("--generation-config", default=d.generation_config,
                        help="where default sampling parameters and extra eos ids come from: 'auto' (the model's "
                             "generation_config.json, if any), 'vllm' (none) or a directory holding one")
+        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                       help="'auto' or 'safetensors': the model directory's weights; 'dummy': random weights from "
+                            "its config.json alone (benchmarks at a model's real shape, no checkpoint on disk)")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="weights and activations dtype")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
@@ -159,7 +163,8 @@ class EngineArgs:
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer or self.model,
                                    dtype=resolve_dtype(self.dtype, raw), seed=self.seed, max_model_len=max_model_len,
                                    hf_config=hf_config, device=device, trust_remote_code=bool(self.trust_remote_code),
-                                   generation_config=self.generation_config, hf_generation_config=generation)
+                                   generation_config=self.generation_config, hf_generation_config=generation,
+                                   load_format=self.load_format)
         extra_eos = sorted(model_config.eos_token_ids(None) - set(hf_config.eos_token_ids))
         log_defaults(self.model if self.generation_config == "auto" else self.generation_config,
                      model_config.get_diff_sampling_param(), extra_eos)

@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from vllm.attention.backend import HybridBackends
 from vllm.attention.selector import reference_backends
+from vllm.config import LOAD_FORMATS
+from vllm.model_executor.dummy_loader import initialize_dummy_weights
 from vllm.model_executor.models.kimi_k3.model import FP32_PARAM_SUFFIXES, KimiK3ForCausalLM
 from vllm.transformers_utils.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
                                                        TensorShapeError, UnexpectedTensorError)
@@ -221,10 +223,17 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               backends: HybridBackends | None = None, config: KimiK3TextConfig | None = None) -> KimiK3ForCausalLM:
-    """`config`, when the caller parsed it already, saves parsing config.json again."""
+               backends: HybridBackends | None = None, config: KimiK3TextConfig | None = None,
+               load_format: str = "auto", seed: int = 0) -> KimiK3ForCausalLM:
+    """`config`, when the caller parsed it already, saves parsing config.json again. `load_format` "dummy":
+    random weights from `seed` (dummy_loader), no safetensors read."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported; expected one of {', '.join(LOAD_FORMATS)}")
     raw = read_config_json(model_dir)
     config = config or load_config(model_dir, raw)
     model = build_model(config, resolve_dtype(dtype, raw), device, backends or reference_backends())
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir)
     return model

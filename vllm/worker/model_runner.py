@@ -68,7 +68,7 @@ class ModelRunner:
         self.backend_names = (f"MLA {backends.mla.name}, KDA prefill {backends.kda.prefill.name}, "
                               f"KDA decode {backends.kda.decode.name}")
         logger.info("attention backends: %s", self.backend_names)
-        self.model = load_model(mc.model, self.dtype, self.device, backends, hf)
+        self.model = load_model(mc.model, self.dtype, self.device, backends, hf, mc.load_format, mc.seed)
         self.hf_config = hf
         self.block_size = cc.block_size
         self.kda_builder = backends.kda.builder(self.block_size, config.recover_record_len) if hf.kda_layers else None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.model_executor.layers.fused_moe.tile_configs import GemmConfig, tuned_config
 from vllm.utils import num_sms
 
 try:
@@ -39,15 +40,6 @@ class MoEActivation:
     def __post_init__(self) -> None:
         if self.name not in ("silu", "situ"):
             raise ValueError(f"fused MoE activation {self.name!r} is not supported; expected 'silu' or 'situ'")
-
-
-@dataclass(frozen=True, slots=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
 
 
 def fused_moe_unsupported(x: torch.Tensor) -> str | None:
@@ -84,6 +76,18 @@ def pick_config(num_pairs: int, num_experts: int, inter: int, hidden: int, num_s
     else:
         up, down = GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4)
     return (fit_shared_memory(up, 2, elem_size, smem_bytes), fit_shared_memory(down, 1, elem_size, smem_bytes))
+
+
+def choose_tiles(tokens: int, top_k: int, num_experts: int, inter: int, hidden: int, x: torch.Tensor
+                 ) -> tuple[GemmConfig, GemmConfig]:
+    """The tuned tiles for this shape on this device (tile_configs), else the heuristic; both fitted to the
+    device's shared memory."""
+    smem = smem_per_block(x.device)
+    tuned = tuned_config(tokens, num_experts, inter, hidden, x.dtype, x.device)
+    if tuned is None:
+        return pick_config(tokens * top_k, num_experts, inter, hidden, num_sms(x.device), x.element_size(), smem)
+    up, down = tuned
+    return fit_shared_memory(up, 2, x.element_size(), smem), fit_shared_memory(down, 1, x.element_size(), smem)
 
 
 def pipelined_smem_bytes(cfg: GemmConfig, b_tiles: int, elem_size: int) -> int:
@@ -165,11 +169,13 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, nu
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation()) -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation(),
+                  tiles: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in float32 [T, D].
 
     x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; topk_weights [T, k] float32;
-    topk_ids [T, k] integer."""
+    topk_ids [T, k] integer. `tiles` (gate/up, down) overrides the choice (tile_configs' table for the shape and
+    device, else pick_config): the tuner's seam."""
     reason = fused_moe_unsupported(x)
     if reason:
         raise ValueError(reason)
@@ -181,8 +187,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.flatten().float().contiguous()
-    up_cfg, down_cfg = pick_config(num_pairs, E, inter, D, num_sms(x.device), x.element_size(),
-                                   smem_per_block(x.device))
+    up_cfg, down_cfg = tiles or choose_tiles(T, top_k, E, inter, D, x)
     sorted_pairs, block_expert, num_padded = moe_align_block_size(topk_ids.to(torch.int32), up_cfg.block_m, E)
     max_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
