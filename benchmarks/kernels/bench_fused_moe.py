@@ -35,8 +35,9 @@ from bench_common import write_json  # noqa: E402
 from timing import bandwidth_report, time_graph  # noqa: E402
 
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts  # noqa: E402
-from vllm.model_executor.layers.fused_moe import fused_moe as fused_moe_module  # noqa: E402
-from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig  # noqa: E402
+from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, smem_per_block  # noqa: E402
+from vllm.model_executor.layers.fused_moe.tile_configs import tuned_config  # noqa: E402
+from vllm.utils import num_sms  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 # A copy both reads and writes; a MoE's weight stream only reads, and reads alone run faster than a copy's r+w
@@ -48,7 +49,8 @@ H200_HBM_GBPS = 4800.0
 # The built-in model's experts (8, top-2, latent width 128, intermediate 128) run in float32 (`--dtype float32`):
 # its verify steps of 64 requests x 5 tokens (640 pairs) take the prefill tiles, where they ran ~2.6x slower per
 # step than 256 tokens did (docs/spec_decode.md).
-SHAPES = {"kimi-linear-1b3": (32, 4, 2048, 704), "k3-experts": (256, 16, 3584, 3072), "builtin": (8, 2, 128, 128)}
+SHAPES = {"kimi-linear-1b3": (32, 4, 2048, 704), "kimi-linear-48b": (256, 8, 2304, 1024),
+          "k3-experts": (256, 16, 3584, 3072), "builtin": (8, 2, 128, 128)}
 EVERY_EXPERT_MAX_BYTES = 4 << 30
 SILU = MoEActivation("silu")
 
@@ -118,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     report, bw = bandwidth_report()
-    report["cublas_bf16_tflops"] = peak = cublas_tflops()
+    report["cublas_bf16_tflops"] = peak = cublas_tflops()  # the roofline's matmul peak, measured in this run
     report["peak_basis_tflops"] = H200_BF16_DENSE_TFLOPS
     print(f"cuBLAS bf16 8192^3: {peak:.0f} TFLOP/s")
     report["sweep"] = []
@@ -135,8 +137,17 @@ def main() -> None:
             weights = torch.rand(T, k, device="cuda", generator=gen)
             chosen = int(ids.unique().numel())
             flops = 2 * T * k * 3 * D * inter
+            # bytes: the chosen experts' weights once, x in, the gated activations out and back in, the pair
+            # outputs out and back in for the top-k sum, the float32 result out
+            nbytes = chosen * expert_bytes + (T * D + 2 * T * k * inter + 2 * T * k * D) * x.element_size() + T * D * 4
+            roofline_us = max(nbytes / (bw * 1e9), flops / (peak * 1e12)) * 1e6
+            heuristic = pick_config(T * k, E, inter, D, num_sms(x.device), x.element_size(), smem_per_block(x.device))
+            tuned = tuned_config(T, E, inter, D, dtype, x.device) is not None
             ref = torch_loop(x, w13, w2, weights, ids)
             peers = {"fused": (lambda: fused_experts(x, w13, w2, weights, ids, SILU), True),
+                     # the heuristic's tiles: what `fused` ran before this shape had a tuned table
+                     "fused_heuristic": (lambda: fused_experts(x, w13, w2, weights, ids, SILU, tiles=heuristic),
+                                         True),
                      "torch_loop": (lambda: torch_loop(x, w13, w2, weights, ids), False),
                      "grouped_mm": (lambda: grouped_mm(x, w13_t, w2_t, weights, ids), True)}
             if E * T * 2 * inter * 2 <= EVERY_EXPERT_MAX_BYTES:
@@ -151,7 +162,9 @@ def main() -> None:
                     print("skip", key, report["skipped"][key])
                     continue
                 us = t["median"]
-                row = {"shape": shape, "dtype": args.dtype, "impl": name, "tokens": T, "experts": E, "top_k": k,
+                row = {"shape": shape, "dtype": args.dtype, "impl": name, "backend": name, "tokens": T, "experts": E,
+                       "topk": k, "top_k": k, "tuned_table": tuned, "bytes": nbytes, "flops": flops,
+                       "roofline_us": roofline_us, "pct_roofline": 100 * roofline_us / us,
                        "hidden": D, "inter": inter, "chosen_experts": chosen, "us": t, "rel_err_vs_torch_loop": err,
                        "gbps_chosen_weights": chosen * expert_bytes / (us * 1e-6) / 1e9,
                        "tflops": flops / (us * 1e-6) / 1e12}
@@ -160,20 +173,17 @@ def main() -> None:
                 row["pct_peak"] = 100 * row["tflops"] / H200_BF16_DENSE_TFLOPS
                 row["pct_cublas"] = 100 * row["tflops"] / peak
                 report["results"].append(row)
-                print(f"{key}: {us:9.1f} us  {row['pct_copy_bw']:5.1f}% BW  {row['tflops']:6.1f} TFLOP/s "
+                print(f"{key}: {us:9.1f} us  {row['pct_roofline']:5.1f}% roofline  {row['pct_copy_bw']:5.1f}% BW  "
+                      f"{row['tflops']:6.1f} TFLOP/s "
                       f"({row['pct_peak']:4.1f}% peak)  rel err {err:.1e}")
             if args.sweep and str(T) in args.sweep_tokens.split(",") and shape in args.sweep_shapes.split(","):
-                picked = fused_moe_module.pick_config
                 for up, down in sweep_candidates(T):
-                    fused_moe_module.pick_config = lambda *a, up=up, down=down: (up, down)
                     try:
-                        us = time_graph(lambda: fused_experts(x, w13, w2, weights, ids, SILU), reps=10,
-                                        calls_per_rep=5)["median"]
+                        us = time_graph(lambda: fused_experts(x, w13, w2, weights, ids, SILU, tiles=(up, down)),
+                                        reps=10, calls_per_rep=5)["median"]
                     except RuntimeError as e:  # out of shared memory for this tile
                         print("sweep skip", up, e)
                         continue
-                    finally:
-                        fused_moe_module.pick_config = picked
                     report["sweep"].append({"shape": shape, "tokens": T, "up": asdict(up), "down": asdict(down),
                                             "us": us})
                     print(f"  sweep {shape} T={T} up={asdict(up)} down_bn={down.block_n}: {us:.1f} us")

@@ -68,9 +68,12 @@ def bandwidth_report() -> tuple[dict, float]:
     a busy GPU) would put kernels above 100% of a physical limit. `copy_bw_basis` says which one it is.
     """
     measured = copy_bandwidth_gbps()
-    bw = max(measured, REFERENCE_COPY_GBPS)
-    basis = "measured in this run" if measured >= REFERENCE_COPY_GBPS else "shared reference (../shared/bench)"
-    print(f"copy bandwidth {measured:.0f} GB/s measured, {REFERENCE_COPY_GBPS:.0f} reference: "
+    # The shared reference was measured on an H200: another card (an H100's copy runs ~3.3 TB/s) is held to
+    # its own measurement only.
+    reference = REFERENCE_COPY_GBPS if "H200" in torch.cuda.get_device_name() else 0.0
+    bw = max(measured, reference)
+    basis = "measured in this run" if measured >= reference else "shared reference (../shared/bench)"
+    print(f"copy bandwidth {measured:.0f} GB/s measured, {reference:.0f} reference: "
           f"percentages of {bw:.0f} ({basis})")
-    return {"meta": metadata("cuda"), "copy_bw_gbps": measured, "reference_copy_bw_gbps": REFERENCE_COPY_GBPS,
+    return {"meta": metadata("cuda"), "copy_bw_gbps": measured, "reference_copy_bw_gbps": reference,
             "pct_basis_gbps": bw, "copy_bw_basis": basis, "skipped": {}, "results": []}, bw
