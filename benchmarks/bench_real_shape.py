@@ -58,14 +58,22 @@ def model_dir(config: Path) -> Path:
     return d
 
 
-def floor_bytes(cfg: KimiK3TextConfig, dtype: torch.dtype, batch: int, context: float, state_bytes: int) -> dict:
-    """The decode step's bytes floor at `batch` requests of mean `context` tokens, by part (parameter sizes from
-    the model built on the meta device: no memory)."""
+def weight_bytes(cfg: KimiK3TextConfig, dtype: torch.dtype) -> dict:
+    """Bytes of the routed experts, of everything else, and of one embedding row, from the model built on the
+    meta device (no memory)."""
     params = dict(build_model(cfg, dtype, "meta", reference_backends()).named_parameters())
-    expert = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n)
     embed = params["model.embed_tokens.weight"]
-    dense = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." not in n) \
-        - embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
+    expert = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n)
+    rest = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." not in n)
+    return {"experts": expert, "dense": rest - embed.numel() * embed.element_size(),
+            "embedding_row": embed.shape[1] * embed.element_size()}
+
+
+def floor_bytes(cfg: KimiK3TextConfig, weights: dict, batch: int, context: float, state_bytes: int) -> dict:
+    """The decode step's bytes floor at `batch` requests of mean `context` tokens, by part; `weights` from
+    weight_bytes."""
+    dense = weights["dense"] + batch * weights["embedding_row"]
+    expert = weights["experts"]
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     E, k = cfg.num_experts, cfg.num_experts_per_token
     touched = E * (1 - (1 - k / E) ** batch)
@@ -143,6 +151,7 @@ def main() -> None:
     startup_s = time.perf_counter() - t0
     print(f"start-up {startup_s:.1f} s", flush=True)
     state_bytes = torch.empty(0, dtype=getattr(torch, args.mamba_ssm_cache_dtype)).element_size()
+    weights = weight_bytes(cfg, getattr(torch, args.dtype))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
@@ -152,7 +161,7 @@ def main() -> None:
         t_full = timed(lambda reqs=reqs: llm.generate(reqs, full, use_tqdm=False), args.repeats)
         t_first = timed(lambda reqs=reqs: llm.generate(reqs, first, use_tqdm=False), args.repeats)
         step_s = (stats(t_full)["median"] - stats(t_first)["median"]) / (O - 1)
-        floor = floor_bytes(cfg, getattr(torch, args.dtype), b, P + O / 2, state_bytes)
+        floor = floor_bytes(cfg, weights, b, P + O / 2, state_bytes)
         floor_s = floor["total"] / (bw * 1e9)
         row = {"batch_size": b, "prompt_len": P, "output_len": O, "step_ms": step_s * 1e3,
                "tokens_per_s": b / step_s, "floor_ms": floor_s * 1e3, "pct_floor": 100 * floor_s / step_s,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import write_json  # noqa: E402
-from timing import bandwidth_report, time_graph  # noqa: E402
+from timing import bandwidth_report, matmul_peak_tflops, roofline_us, time_graph  # noqa: E402
 
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts  # noqa: E402
 from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, smem_per_block  # noqa: E402
@@ -93,13 +93,6 @@ def grouped_mm(x, w13_t, w2_t, weights, ids):
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, order // ids.shape[1], down)
 
 
-def cublas_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    us = time_graph(lambda: a @ b, reps=20, calls_per_rep=5)["median"]
-    return 2 * 8192 ** 3 / (us * 1e-6) / 1e12
-
-
 def sweep_candidates(tokens: int) -> list[tuple[GemmConfig, GemmConfig]]:
     if tokens <= 256:
         return [(GemmConfig(16, bn, bk, 4, st), GemmConfig(16, 2 * bn, bk, 4, st))
@@ -120,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     report, bw = bandwidth_report()
-    report["cublas_bf16_tflops"] = peak = cublas_tflops()  # the roofline's matmul peak, measured in this run
+    report["cublas_bf16_tflops"] = peak = matmul_peak_tflops()  # the roofline's matmul peak, measured in this run
     report["peak_basis_tflops"] = H200_BF16_DENSE_TFLOPS
     print(f"cuBLAS bf16 8192^3: {peak:.0f} TFLOP/s")
     report["sweep"] = []
@@ -140,7 +133,7 @@ def main() -> None:
             # bytes: the chosen experts' weights once, x in, the gated activations out and back in, the pair
             # outputs out and back in for the top-k sum, the float32 result out
             nbytes = chosen * expert_bytes + (T * D + 2 * T * k * inter + 2 * T * k * D) * x.element_size() + T * D * 4
-            roofline_us = max(nbytes / (bw * 1e9), flops / (peak * 1e12)) * 1e6
+            roof_us = roofline_us(nbytes, flops, bw, peak)
             heuristic = pick_config(T * k, E, inter, D, num_sms(x.device), x.element_size(), smem_per_block(x.device))
             tuned = tuned_config(T, E, inter, D, dtype, x.device) is not None
             ref = torch_loop(x, w13, w2, weights, ids)
@@ -164,7 +157,7 @@ def main() -> None:
                 us = t["median"]
                 row = {"shape": shape, "dtype": args.dtype, "impl": name, "backend": name, "tokens": T, "experts": E,
                        "topk": k, "top_k": k, "tuned_table": tuned, "bytes": nbytes, "flops": flops,
-                       "roofline_us": roofline_us, "pct_roofline": 100 * roofline_us / us,
+                       "roofline_us": roof_us, "pct_roofline": 100 * roof_us / us,
                        "hidden": D, "inter": inter, "chosen_experts": chosen, "us": t, "rel_err_vs_torch_loop": err,
                        "gbps_chosen_weights": chosen * expert_bytes / (us * 1e-6) / 1e9,
                        "tflops": flops / (us * 1e-6) / 1e12}

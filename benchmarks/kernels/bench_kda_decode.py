@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import write_json  # noqa: E402
-from timing import bandwidth_report, time_graph  # noqa: E402
+from timing import bandwidth_report, matmul_peak_tflops, roofline_us, time_graph  # noqa: E402
 
 from vllm.attention.backend import LayerShapes  # noqa: E402
 from vllm.attention.kda.metadata import KDARows  # noqa: E402
@@ -77,6 +77,7 @@ def main() -> None:
     torch.manual_seed(0)
     # Rewritten after every row, so a run cut by a time limit keeps what it measured.
     report, bw = bandwidth_report()
+    report["matmul_peak_tflops"] = peak = matmul_peak_tflops()
     results, skipped = report["results"], report["skipped"]
     for state_dtype in (torch.float32, torch.bfloat16):
         for H in map(int, args.heads.split(",")):
@@ -93,11 +94,14 @@ def main() -> None:
                     backend = load_backend("--kda-decode-backend", name)
                     runs[name] = functools.partial(backend.forward_decode, layer, *inputs, conv, ssm, rows)
                 state_bytes = 2 * B * H * K * K * ssm.element_size()
+                # + q, k, v, gate and output rows (bf16); FLOPs: decay, two rank-1 products and the readout
+                roof = roofline_us(state_bytes + 5 * B * H * K * 2, 8 * B * H * K * K, bw, peak)
                 for name, fn in runs.items():
                     t = time_graph(fn)
                     gbps = state_bytes / (t["median"] * 1e-6) / 1e9
                     results.append({"backend": name, "heads": H, "batch": B, "state_dtype": str(state_dtype)[6:],
-                                    "us": t, "state_gbps": gbps, "pct_copy_bw": 100 * gbps / bw})
+                                    "us": t, "state_gbps": gbps, "pct_copy_bw": 100 * gbps / bw,
+                                    "roofline_us": roof, "pct_roofline": 100 * roof / t["median"]})
                     write_json(args.out, report)
                     print(f"{str(state_dtype)[6:]:8} H={H:3} B={B:4} {name:16} {t['median']:9.1f} us "
                           f"{100 * gbps / bw:5.1f}% of copy BW", flush=True)

@@ -3,7 +3,10 @@
 Each backend runs its whole forward for decode/verify rows (latent-row write, q absorption through W_UK,
 attention over the paged cache, V up-projection), replayed in a CUDA graph. Bandwidth counts the latent cache
 bytes read (context x (kv_lora_rank + rope) x 2 bytes per request) against the copy bandwidth measured in the
-same run. Shapes: 16 heads (the shared 1.3B config) and 64 heads, kv_lora_rank 512, rope 64, block 64.
+same run. `pct_roofline`: the larger of (cache + absorption weights + q/out bytes) / copy bandwidth and the
+FLOPs (QK over rank + rope and PV over rank, per head and query token, plus the two absorptions) / the bf16
+matmul peak cuBLAS reaches in the same run, over the measured time: with many heads and query tokens a verify
+row is compute-bound. Shapes: 16 heads (the shared 1.3B config) and 64 heads, kv_lora_rank 512, rope 64, block 64.
 
     python benchmarks/kernels/bench_mla_decode.py --out benchmarks/results/gpu/mla_decode.json
 """
@@ -20,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import write_json  # noqa: E402
-from timing import bandwidth_report, time_graph  # noqa: E402
+from timing import bandwidth_report, matmul_peak_tflops, roofline_us, time_graph  # noqa: E402
 
 from vllm.attention.backend import CommonAttentionMetadata, LayerShapes  # noqa: E402
 from vllm.attention.selector import backend_reason, load_backend  # noqa: E402
@@ -61,6 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     # Rewritten after every row, so a run cut by a time limit keeps what it measured.
     report, bw = bandwidth_report()
+    report["matmul_peak_tflops"] = peak = matmul_peak_tflops()
     results, skipped = report["results"], report["skipped"]
     for H in map(int, args.heads.split(",")):
         shapes = LayerShapes(mla_num_heads=H, kv_lora_rank=L, qk_rope_head_dim=R, block_size=BS)
@@ -76,6 +80,10 @@ def main() -> None:
                 for qlen in map(int, args.query_lens.split(",")):
                     common, q, latent, kv_cache, w = make_step(H, B, ctx, qlen)
                     cache_bytes = B * (ctx + qlen) * (L + R) * kv_cache.element_size()
+                    T = B * qlen
+                    nbytes = cache_bytes + (w.numel() + T * H * (NOPE + R + V)) * w.element_size()
+                    flops = 2 * T * H * ((ctx + qlen) * (2 * L + R) + L * (NOPE + V))
+                    roof = roofline_us(nbytes, flops, bw, peak)
                     for name in names:
                         backend = load_backend("--attention-backend", name)
                         meta = backend.builder(BS).build(common)
@@ -84,10 +92,13 @@ def main() -> None:
                         t = time_graph(fn, reps=15, calls_per_rep=calls)
                         gbps = cache_bytes / (t["median"] * 1e-6) / 1e9
                         results.append({"backend": name, "heads": H, "context": ctx, "batch": B, "query_len": qlen,
-                                        "us": t, "cache_gbps": gbps, "pct_copy_bw": 100 * gbps / bw})
+                                        "us": t, "cache_gbps": gbps, "pct_copy_bw": 100 * gbps / bw,
+                                        "bytes": nbytes, "flops": flops, "roofline_us": roof,
+                                        "pct_roofline": 100 * roof / t["median"]})
                         write_json(args.out, report)
                         print(f"H={H:3} ctx={ctx:6} B={B:4} q={qlen} {name:14} {t['median']:9.1f} us "
-                              f"{100 * gbps / bw:5.1f}% of copy BW", flush=True)
+                              f"{100 * gbps / bw:5.1f}% of copy BW {100 * roof / t['median']:5.1f}% of roofline",
+                              flush=True)
                     del common, q, latent, kv_cache, w
                     torch.cuda.empty_cache()
 

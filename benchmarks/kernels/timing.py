@@ -77,3 +77,17 @@ def bandwidth_report() -> tuple[dict, float]:
           f"percentages of {bw:.0f} ({basis})")
     return {"meta": metadata("cuda"), "copy_bw_gbps": measured, "reference_copy_bw_gbps": reference,
             "pct_basis_gbps": bw, "copy_bw_basis": basis, "skipped": {}, "results": []}, bw
+
+
+def matmul_peak_tflops() -> float:
+    """bf16 matmul peak as cuBLAS reaches it on this card (8192^3), the roofline's compute side."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = time_graph(lambda: a @ b, reps=20, calls_per_rep=5)["median"]
+    return 2 * 8192 ** 3 / (us * 1e-6) / 1e12
+
+
+def roofline_us(nbytes: float, flops: float, copy_gbps: float, peak_tflops: float) -> float:
+    """The larger of the bytes at copy bandwidth and the FLOPs at the matmul peak, in microseconds."""
+    return max(nbytes / (copy_gbps * 1e9), flops / (peak_tflops * 1e12)) * 1e6
+
