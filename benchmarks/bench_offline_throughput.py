@@ -74,8 +74,14 @@ def build_checkpoint(args, out_dir: Path):
     config_cls, model_cls = hf_classes(args.device)
     cfg = dict(TINY) if args.config == "tiny" else json.loads(Path(args.config).read_text())
     torch.manual_seed(args.seed)
-    with torch.device(args.device):
-        model = model_cls(config_cls(**cfg)).to(getattr(torch, args.dtype)).eval()
+    # Built in the benchmark's dtype: a 48B-wide model built in float32 first would need twice its bytes.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    try:
+        with torch.device(args.device):
+            model = model_cls(config_cls(**cfg)).to(getattr(torch, args.dtype)).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out_dir)
     saved = json.loads((out_dir / "config.json").read_text())
     saved["mla_latent_norm_eps"] = 1e-6  # transformers hard-codes 1e-6 in q_a/kv_a_layernorm (tests/hf_oracle.py)
