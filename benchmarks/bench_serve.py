@@ -19,7 +19,6 @@ Writes JSON (bench_common metadata, summary in ms, per-request records) and a PN
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import math
 import random
@@ -37,7 +36,7 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import metadata, write_json
 
-from vllm.benchmarks.serve import latency_series, make_prompts, run_load
+from vllm.benchmarks.serve import default_client_processes, latency_series, make_prompts, run_load_processes
 
 
 def check_loopback(base_url: str) -> str:
@@ -96,23 +95,28 @@ def main(argv: list[str] | None = None) -> dict:
                     help="ask for logprobs=0, so that a chunk comes for every token even when its text is empty "
                          "(random models emit ids the tokenizer decodes to nothing)")
     ap.add_argument("--timeout", type=float, default=600.0, help="total seconds for the whole run")
+    ap.add_argument("--client-processes", type=int, default=default_client_processes(),
+                    help="client processes the requests are spread over (default: a quarter of the cores, 1-4); "
+                         "their CPU use is reported, so a client near a full core shows")
     ap.add_argument("--out", default="benchmarks/results/cpu/serve_cpu.json")
     args = ap.parse_args(argv)
     try:
         base = check_loopback(args.base_url)
     except ValueError as e:
         ap.error(str(e))
-    if args.num_prompts < 1 or args.request_rate <= 0 or not 0 <= args.range_ratio < 1 or args.vocab_size <= 5:
-        ap.error("need --num-prompts >= 1, --request-rate > 0, 0 <= --range-ratio < 1, --vocab-size > 5")
+    if (args.num_prompts < 1 or args.request_rate <= 0 or not 0 <= args.range_ratio < 1 or args.vocab_size <= 5
+            or args.client_processes < 1):
+        ap.error("need --num-prompts >= 1, --request-rate > 0, 0 <= --range-ratio < 1, --vocab-size > 5, "
+                 "--client-processes >= 1")
 
     try:
         prompts = make_prompts(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.vocab_size,
                                random.Random(args.seed), args.dataset)
     except ValueError as e:
         ap.error(str(e))
-    recs, duration, args.model = asyncio.run(run_load(base, "/v1/completions", args.model, prompts,
-                                                      args.request_rate, args.max_concurrency, args.seed,
-                                                      args.timeout, args.every_token))
+    recs, duration, args.model, client = run_load_processes(
+        base, "/v1/completions", args.model, prompts, args.request_rate, args.max_concurrency, args.seed,
+        args.timeout, args.every_token, num_processes=args.client_processes)
     ok = [r for r in recs if r.get("ok")]
     out_tokens = sum(r["output_tokens"] for r in ok)
     lat = latency_series(recs)
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
                "total_input_tokens": sum(r["prompt_len"] for r in ok), "total_output_tokens": out_tokens,
                "ttft_ms": summarize(series["TTFT"]), "tpot_ms": summarize(tpot), "itl_ms": summarize(series["ITL"]),
                "e2e_ms": summarize(series["E2E latency"]),
-               "errors": dict(Counter(r["error"] for r in recs if not r.get("ok")).most_common(10))}
+               "errors": dict(Counter(r["error"] for r in recs if not r.get("ok")).most_common(10)),
+               "client": client}
     config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
     result = {**metadata("cpu"), "note": "device/threads describe the client machine, not the server",
               "config": config, "summary": summary,
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
         s = summary[key]
         if s["n"]:
             print(f"  {key:8s} mean {s['mean']:9.2f}  median {s['median']:9.2f}  p99 {s['p99']:9.2f}  (n={s['n']})")
+    print(f"  client: {client['processes']} process(es), {client['cpu_s']:.2f} CPU s, busiest at "
+          f"{100 * client['max_process_cpu_util']:.0f}% of a core")
     for err, n in summary["errors"].items():
         print(f"  error x{n}: {err}")
     print(f"wrote {path} and {png}")

@@ -176,3 +176,23 @@ def test_every_token_times_tokens_that_have_no_text(stub, tmp_path):
     s = res["summary"]
     assert s["completed"] == 4 and s["itl_ms"]["n"] == 4 * 4 and s["total_output_tokens"] == 4 * 5
     assert all(b.get("logprobs") == 0 for b in stub.bodies[4:]) and "logprobs" not in stub.bodies[0]
+
+
+def test_requests_spread_over_client_processes(stub, tmp_path):
+    """--client-processes 3: every request runs once, records come back in prompt order, and the clients' CPU
+    time is reported."""
+    res = bench_serve.main(["--base-url", url(stub), "--num-prompts", "10", "--max-concurrency", "5",
+                            "--input-len", "8", "--output-len", "4", "--range-ratio", "0.5", "--seed", "7",
+                            "--client-processes", "3", "--out", str(tmp_path / "p.json")])
+    s = res["summary"]
+    assert s["completed"] == 10 and s["failed"] == 0 and len(stub.bodies) == 10
+    import random
+
+    from vllm.benchmarks.serve import make_prompts
+    expected = make_prompts(10, 8, 4, 0.5, 500, random.Random(7))
+    assert [(r["prompt_len"], r["max_tokens"]) for r in res["requests"]] == [(n, m) for _, n, m in expected]
+    sent = sorted(tuple(b["prompt"]) for b in stub.bodies)
+    assert sent == sorted(tuple(p) for p, _, _ in expected), "each prompt sent exactly once"
+    client = s["client"]
+    assert client["processes"] == 3 and client["cpu_s"] > 0 and 0 < client["max_process_cpu_util"]
+    assert s["duration_s"] > 0 and s["ttft_ms"]["n"] == 10

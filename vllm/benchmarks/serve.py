@@ -6,12 +6,18 @@ TTFT: send -> first chunk with non-empty text (or, with every_token, with a toke
 such chunks; TPOT: (e2e - ttft) / (output_tokens - 1), output tokens from the final `usage` chunk (or the count
 of text chunks without one). Failed requests (HTTP errors, broken streams, the timeout on the whole run) are
 counted, not fatal.
+
+One Python process parses about 15,000 SSE events a second, so at 64 streams of a fast engine the client
+itself would be in the loop: `run_load_processes` spreads the requests over several client processes (each
+its own event loop, share of the concurrency and of the arrival rate) and reports the CPU time they used.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import multiprocessing
+import os
 import random
 import time
 from collections import Counter
@@ -129,6 +135,80 @@ async def run_load(base: str, endpoint: str, model: str | None, prompts, request
         if not r.get("ok") and "error" not in r:
             r["error"] = f"not finished within the timeout of {timeout} s"
     return recs, duration, model
+
+
+def default_client_processes() -> int:
+    """A quarter of the machine's cores, 1 to 4: enough clients for 64+ streams on a GPU host, one on a small
+    box where the server needs the cores."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _client_process(conn, base: str, endpoint: str, model: str, prompts, request_rate: float,
+                    max_concurrency: int, seed: int, timeout: float, every_token: bool, ignore_eos: bool) -> None:
+    cpu0 = time.process_time()
+    try:
+        recs, duration, _ = asyncio.run(run_load(base, endpoint, model, prompts, request_rate, max_concurrency,
+                                                 seed, timeout, every_token, ignore_eos))
+        conn.send((recs, duration, time.process_time() - cpu0, None))
+    except BaseException as e:  # noqa: BLE001 -- the parent reports it; a worker never hangs the run
+        conn.send(([], 0.0, time.process_time() - cpu0, f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def run_load_processes(base: str, endpoint: str, model: str | None, prompts, request_rate: float,
+                       max_concurrency: int, seed: int, timeout: float, every_token: bool = False,
+                       ignore_eos: bool = True, num_processes: int = 1) -> tuple[list[dict], float, str, dict]:
+    """run_load over `num_processes` client processes: request i goes to process i % N, each process gets
+    1/N of the arrival rate (Poisson streams add up to the total rate) and its share of max_concurrency (0:
+    unbounded). Returns (records in prompt order, wall seconds from the first send to the last finish, model,
+    client stats: processes, CPU seconds in all, the busiest process's CPU share of its wall time)."""
+    n = max(1, min(num_processes, len(prompts), max_concurrency if max_concurrency > 0 else len(prompts)))
+    if model is None:
+        model = asyncio.run(_first_model(base))
+    if n == 1:
+        cpu0 = time.process_time()
+        recs, duration, model = asyncio.run(run_load(base, endpoint, model, prompts, request_rate, max_concurrency,
+                                                     seed, timeout, every_token, ignore_eos))
+        cpu = time.process_time() - cpu0
+        return recs, duration, model, {"processes": 1, "cpu_s": cpu, "max_process_cpu_util": cpu / duration}
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    for i in range(n):
+        conc = 0 if max_concurrency <= 0 else max_concurrency // n + (i < max_concurrency % n)
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_client_process, daemon=True,
+                        args=(send, base, endpoint, model, prompts[i::n], request_rate / n, conc, seed + 1000 * i,
+                              timeout, every_token, ignore_eos))
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+    recs: list[dict] = [{} for _ in prompts]
+    cpu, utils, errors = 0.0, [], []
+    for i, (p, conn) in enumerate(zip(procs, conns)):
+        try:
+            part, duration, cpu_s, error = conn.recv() if conn.poll(timeout + 60) else ([], 0.0, 0.0, "no answer")
+        except EOFError:
+            part, duration, cpu_s, error = [], 0.0, 0.0, f"client process died (exit code {p.exitcode})"
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+        recs[i::n] = part or [{"error": f"client process {i}: {error}"} for _ in prompts[i::n]]
+        cpu += cpu_s
+        utils.append(cpu_s / duration if duration else 0.0)
+        if error:
+            errors.append(error)
+    starts = [r["start"] for r in recs if "start" in r]
+    ends = [r["start"] + r["e2e"] for r in recs if "e2e" in r]
+    wall = (max(ends) - min(starts)) if starts and ends else 0.0
+    stats = {"processes": n, "cpu_s": cpu, "max_process_cpu_util": max(utils), "errors": errors}
+    return recs, max(wall, 1e-9), model, stats
+
+
+async def _first_model(base: str) -> str:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        return await first_model(client, base)
 
 
 def latency_series(recs: list[dict]) -> dict[str, list[float]]:

@@ -8,7 +8,6 @@ Random prompts are token ids in [5, vocab size).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
@@ -48,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--result-dir", default=".")
     serve.add_argument("--result-filename", default=None)
     serve.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    serve.add_argument("--client-processes", type=int, default=None,
+                       help="client processes the requests are spread over (default: a quarter of the cores, 1-4)")
     for name, helptext in (("throughput", "offline requests and tokens per second"),
                            ("latency", "offline seconds per batch")):
         q = kinds.add_parser(name, help=helptext)
@@ -83,17 +84,20 @@ def _vocab_size(tokenizer_dir: str | None, trust_remote_code: bool) -> int:
 
 
 def bench_serve(args: argparse.Namespace) -> dict:
-    from vllm.benchmarks.serve import make_prompts, run_load, serving_metrics
+    from vllm.benchmarks.serve import default_client_processes, make_prompts, run_load_processes, serving_metrics
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    processes = default_client_processes() if args.client_processes is None else args.client_processes
+    if processes < 1:
+        raise SystemExit(f"--client-processes={processes} is invalid: expected an integer >= 1")
     prompts = make_prompts(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                            _vocab_size(args.tokenizer or args.model, args.trust_remote_code), random.Random(args.seed))
-    recs, duration, model = asyncio.run(run_load(base, args.endpoint, args.model, prompts, args.request_rate,
-                                                 args.max_concurrency or 0, args.seed, args.timeout,
-                                                 ignore_eos=args.ignore_eos))
+    recs, duration, model, client = run_load_processes(
+        base, args.endpoint, args.model, prompts, args.request_rate, args.max_concurrency or 0, args.seed,
+        args.timeout, ignore_eos=args.ignore_eos, num_processes=processes)
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     result = {"backend": args.backend, "model_id": model, "num_prompts": args.num_prompts,
               "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency,
-              **serving_metrics(recs, duration, percentiles)}
+              **serving_metrics(recs, duration, percentiles), "client": client}
     print(f"{' Serving Benchmark Result ':=^50}")
     for key, label in (("completed", "Successful requests"), ("failed", "Failed requests"),
                        ("duration", "Benchmark duration (s)"), ("total_input_tokens", "Total input tokens"),
@@ -107,6 +111,8 @@ def bench_serve(args: argparse.Namespace) -> dict:
         for stat in ("mean", "median", *(f"p{p:g}" for p in percentiles)):
             value = result.get(f"{stat}_{metric}_ms")
             print(f"{f'{stat.capitalize()} {metric.upper()} (ms):':<40}{'-' if value is None else f'{value:.2f}'}")
+    print(f"{'Client processes / CPU s / busiest:':<40}{client['processes']} / {client['cpu_s']:.2f} / "
+          f"{100 * client['max_process_cpu_util']:.0f}% of a core")
     print("=" * 50)
     return result
 
