@@ -180,7 +180,8 @@ def main() -> None:
             t0 = time.perf_counter()
             llms[k] = LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed,
                           kv_cache_memory_bytes=kv_bytes, enforce_eager=k == "ours_eager",
-                          async_scheduling=False if k == "ours_sync" else None, **decode_kw)
+                          async_scheduling=False if k == "ours_sync" else None, enable_prefix_caching=False,
+                          **decode_kw)
             startup_s[k] = time.perf_counter() - t0
             print(f"{k}: start-up {startup_s[k]:.1f} s", flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=O, ignore_eos=True)
@@ -218,7 +219,7 @@ def main() -> None:
         ttft_engines = [k for k in ("ours", "ours_eager") if k in engines] or ["ours"]
         ttft_llms = {k: LLM(model=str(tmp), dtype=args.dtype, device=args.device, seed=args.seed,
                             kv_cache_memory_bytes=kv_bytes, max_model_len=max(ttft_lens) + 8, max_num_seqs=8,
-                            enforce_eager=k == "ours_eager") for k in ttft_engines}
+                            enforce_eager=k == "ours_eager", enable_prefix_caching=False) for k in ttft_engines}
         one = SamplingParams(temperature=0.0, max_tokens=1)
         for n in ttft_lens:
             ids = torch.randint(3, cfg["vocab_size"], (1, n), generator=gen)

@@ -43,8 +43,11 @@ SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=None, help="H:B:q:ctx,... (default: SHAPES)")
+    ap.add_argument("--tiles", default=None, help="block_m:block_n:warps:stages,... (default: TILES)")
     ap.add_argument("--out", default="benchmarks/results/gpu/mla_decode_tuning.json")
     args = ap.parse_args()
+    tiles = TILES if args.tiles is None else [kernels.TileConfig(*map(int, t.split(":"))) for t in
+                                              args.tiles.split(",")]
     shapes = SHAPES if args.shapes is None else [tuple(map(int, s.split(":"))) for s in args.shapes.split(",")]
     torch.manual_seed(0)
     report, bw = bandwidth_report()
@@ -77,11 +80,15 @@ def main() -> None:
                                       meta.seq_lens, meta.block_table, B, qlen, seq, scale)
         default_tile = kernels.tile_config(kv_cache.dtype, qlen * H, triton.next_power_of_2(L))
         timed = {}
-        for tile in TILES:
+        for tile in tiles:
             splits = kernels.auto_num_splits(B, qlen * H, tile.block_m, L, seq, (L + R) * kv_cache.element_size(),
                                              num_sms(q.device))
-            timed[tile] = run("tile", functools.partial(attention, tile=tile), tile=tile_list(tile), splits=splits,
-                              default=tile == default_tile)
+            try:
+                timed[tile] = run("tile", functools.partial(attention, tile=tile), tile=tile_list(tile),
+                                  splits=splits, default=tile == default_tile)
+            except Exception as e:  # noqa: BLE001 -- a tile past the card's shared memory or registers
+                report["skipped"][f"H={H} B={B} q={qlen} ctx={ctx} {tile}"] = f"{type(e).__name__}: {e}"[:200]
+                print("skip", tile, type(e).__name__, flush=True)
         best = min(timed, key=timed.get)
         for splits in SPLITS:
             if splits * B * qlen * H * L * 4 > 4 << 30 or (splits - 1) * 64 > seq:

@@ -240,7 +240,7 @@ def _write_table(directory, name, table):
 
 def test_tuned_table_gives_the_nearest_token_count(tmp_path):
     name = config_file_name(256, 1024, 2304, "cpu", torch.bfloat16)
-    assert name == "E=256,N=1024,K=2304,device_name=cpu,dtype=bf16.json"
+    assert name == "E256-N1024-K2304-cpu-bf16.json"
     small, big = (GemmConfig(16, 32, 128, 4, 4), GemmConfig(16, 64, 128, 4, 4)), \
         (GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3))
     _write_table(tmp_path, name, {16: small, 4096: big})

@@ -1,6 +1,6 @@
 """Tuned tiles of the fused MoE, stored as JSON per (experts E, intermediate N, hidden K, device, dtype), as
-upstream's fused-MoE configs are: `configs/E=256,N=1024,K=2304,device_name=NVIDIA_H100_80GB_HBM3,dtype=bf16.json`
-maps a token count to the gate/up and down tiles that were fastest for it
+upstream's fused-MoE configs are (named without their '=' and ','): `configs/E256-N1024-K2304-NVIDIA_H100_80GB_HBM3
+-bf16.json` maps a token count to the gate/up and down tiles that were fastest for it
 (benchmarks/kernels/tune_fused_moe.py writes them). A step takes the entry of the nearest token count; shapes
 and devices with no file fall back to the fitted heuristic (fused_moe.pick_config).
 """
@@ -31,7 +31,7 @@ def device_name(device: torch.device) -> str:
 
 
 def config_file_name(num_experts: int, inter: int, hidden: int, device: str, dtype: torch.dtype) -> str:
-    return f"E={num_experts},N={inter},K={hidden},device_name={device},dtype={_DTYPE_NAMES[dtype]}.json"
+    return f"E{num_experts}-N{inter}-K{hidden}-{device}-{_DTYPE_NAMES[dtype]}.json"
 
 
 def table_to_json(table: dict[int, tuple[GemmConfig, GemmConfig]]) -> dict:
