@@ -7,14 +7,15 @@ in this module's process, which owns the GPU and steps as fast as the model runs
 (in one process the event loop and the step share the GIL; upstream's reason for its engine core process).
 
 The process protocol: one pipe each way, one pickled tuple per message.
-- front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (CALL, call_id, method, args),
-  (SHUTDOWN,);
-- core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, outputs,
+- front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (FINISH, [(child_id, kept tokens,
+  status)]) for children the front end finished (a stop string), (CALL, call_id, method, args), (SHUTDOWN,);
+- core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, records,
   rejected, stats) after each loop turn that changed something, (RESULT, call_id, value, error) for each CALL
-  (an EngineCore method run between steps, e.g. reset_prefix_cache), and (STOPPED, outputs, rejected, stats) last.
-  `rejected` holds (request_id, exception) for requests that end with an error instead of an output. Outputs
-  travel as tuples (`serial_utils.py`) without their prompt (text and ids), which the front end has and puts
-  back: a long prompt would otherwise be pickled again at every step of its request.
+  (an EngineCore method run between steps, e.g. reset_prefix_cache), and (STOPPED, records, rejected, stats) last.
+  `rejected` holds (request_id, exception) for requests that end with an error instead of an output. The
+  process's engine builds no outputs: its records (`core_outputs.py`: new token ids, logprob rows, finish
+  reasons) are what the front end turns into RequestOutputs (`frontend_outputs.py`), detokenizing there, so the
+  core's step loop spends no time on text, logprob dicts or response objects.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from multiprocessing.connection import Connection
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
-from vllm.engine.serial_utils import pack_outputs
 from vllm.logger import init_logging
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ from vllm.worker.compile_watch import COMPILE_WATCH
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, CALL, SHUTDOWN = "add", "abort", "call", "shutdown"
+ADD, ABORT, FINISH, CALL, SHUTDOWN = "add", "abort", "finish", "call", "shutdown"
 READY, FAILED, OUTPUTS, RESULT, STOPPED = "ready", "failed", "outputs", "result", "stopped"
 
 
@@ -192,7 +192,7 @@ def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_logging(log_level)
     try:
-        core = EngineCore(LLMEngine.from_engine_args(args))
+        core = EngineCore(LLMEngine.from_engine_args(args, front_end_outputs=True))
     except BaseException as e:  # noqa: BLE001 - the front end reports it and exits
         if not isinstance(e, ValueError):  # bad input is one line there; anything else keeps its traceback here
             logger.exception("the engine failed to start")
@@ -222,6 +222,8 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
                     rejected.append((msg[1], portable(error)))
             elif msg[0] == ABORT:
                 outputs += core.abort(msg[1])
+            elif msg[0] == FINISH:
+                core.engine.finish_children(msg[1])
             elif msg[0] == CALL:
                 outbox.send((RESULT, msg[1], *core.call(msg[2], msg[3])))
             else:
@@ -229,7 +231,7 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
                 break
         if stopping:
             outputs += core.abort_all()
-            outbox.send((STOPPED, pack_outputs(outputs), rejected, core.stats()))
+            outbox.send((STOPPED, outputs, rejected, core.stats()))
             return
         if core.has_work():
             stepped, failed = core.step()
@@ -237,5 +239,5 @@ def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
             rejected += failed
             changed = True
         if changed:
-            outbox.send((OUTPUTS, pack_outputs(outputs), rejected, core.stats()))
+            outbox.send((OUTPUTS, outputs, rejected, core.stats()))
 

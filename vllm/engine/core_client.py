@@ -22,10 +22,10 @@ import threading
 from typing import Protocol
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.core import (ABORT, ADD, CALL, FAILED, OUTPUTS, READY, RESULT, SHUTDOWN, STOPPED, EngineCore,
-                              EngineStats, Rejected, run_engine_core)
+from vllm.engine.core import (ABORT, ADD, CALL, FAILED, FINISH, OUTPUTS, READY, RESULT, SHUTDOWN, STOPPED,
+                              EngineCore, EngineStats, Rejected, run_engine_core)
+from vllm.engine.frontend_outputs import FrontEndOutputs
 from vllm.engine.llm_engine import LLMEngine, PromptType
-from vllm.engine.serial_utils import unpack_outputs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
@@ -159,6 +159,8 @@ class MPClient:
             self.config, self._stats = self._await_ready()
             mc = self.config.model_config
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+            # The core sends records; detokenization and the outputs happen here (frontend_outputs.py).
+            self._outputs = FrontEndOutputs(self.tokenizer, self.config.num_speculative_tokens)
         except BaseException as e:  # a bad checkpoint, Ctrl-C while loading: nothing may outlive us
             self._reap(0 if isinstance(e, KeyboardInterrupt) else 5)
             raise
@@ -166,8 +168,6 @@ class MPClient:
         self._sink: OutputSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future | None = None
-        # Prompts of the requests in flight, put back on their outputs (the core sends them without).
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._calls: dict[int, asyncio.Future] = {}  # calls sent, by id, until the core answers
         self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -196,10 +196,14 @@ class MPClient:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         if self.dead:
             raise RuntimeError("the engine process has died; the server cannot run requests")
+        if request_id in self._outputs.children:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, dict):
-            self._prompts[request_id] = (prompt.get("prompt"), prompt.get("prompt_token_ids") or [])
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         else:
-            self._prompts[request_id] = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        if isinstance(params, SamplingParams) and isinstance(params.n, int) and params.n >= 1:
+            self._outputs.add(request_id, text, ids, params)  # else the core refuses it, naming the problem
         self._outbox.put((ADD, request_id, prompt, params))
 
     def abort(self, request_id: str) -> None:
@@ -253,8 +257,8 @@ class MPClient:
                 if msg[0] == RESULT:
                     self._answer(*msg[1:])
                     continue
-                kind, packed, rejected, self._stats = msg
-                self._deliver(unpack_outputs(packed), rejected)
+                kind, records, rejected, self._stats = msg
+                self._deliver(records, rejected)
                 if kind == STOPPED:  # calls sent before SHUTDOWN were answered before this
                     self._close_reader()
                     self._fail_calls(RuntimeError("the engine process stopped"))
@@ -265,13 +269,21 @@ class MPClient:
             self._close_reader()
             self._engine_died()
 
-    def _deliver(self, outputs: list[RequestOutput], rejected: Rejected) -> None:
-        for out in outputs:
-            out.prompt, out.prompt_token_ids = self._prompts.get(out.request_id, (None, []))
-            if out.finished:
-                self._prompts.pop(out.request_id, None)
+    def _deliver(self, records: list, rejected: Rejected) -> None:
         for rid, _ in rejected:
-            self._prompts.pop(rid, None)
+            self._outputs.discard(rid)
+        try:
+            outputs, finished = self._outputs.apply(records)
+        except Exception as e:  # noqa: BLE001 -- a bug here must not kill the reader: the engine serves on
+            logger.exception("building outputs failed")
+            outputs, finished = [], []
+            failed = self._outputs.parents_of(records)
+            rejected = rejected + [(rid, RuntimeError(f"building this request's output failed: {e}")) for rid in failed]
+            for rid in failed:
+                self._outputs.discard(rid)
+                self.abort(rid)
+        if finished:
+            self._outbox.put((FINISH, finished))
         self._sink.on_outputs(outputs, rejected)
 
     def _answer(self, call_id: int, value, error: Exception | None) -> None:
@@ -292,7 +304,6 @@ class MPClient:
         self.dead = True
         self.proc.join(1)
         error = RuntimeError(f"the engine process died (exit code {self.proc.exitcode}); its log says why")
-        self._prompts.clear()
         self._fail_calls(error)
         self._stopped.set_result(None)
         self._sink.on_engine_dead(error)

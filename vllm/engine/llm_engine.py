@@ -15,6 +15,7 @@ from vllm.config import VllmConfig
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.core_outputs import CoreOutputCollector
 from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
 from vllm.inputs.validation import prompt_problem, text_problem
@@ -47,7 +48,9 @@ def checked_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
 
 
 class LLMEngine:
-    def __init__(self, config: VllmConfig) -> None:
+    def __init__(self, config: VllmConfig, front_end_outputs: bool = False) -> None:
+        """front_end_outputs: step() returns core records (core_outputs.py) for a front end in another process
+        to turn into RequestOutputs (frontend_outputs.py), instead of building them here."""
         self.config = config
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
@@ -57,7 +60,7 @@ class LLMEngine:
         self.num_spec = config.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.num_spec,
                                    config.cache_config.kda_snapshot_interval)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = CoreOutputCollector() if front_end_outputs else OutputProcessor(self.tokenizer)
         self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
@@ -75,8 +78,8 @@ class LLMEngine:
         logger.info("async scheduling %s", "on" if self.async_scheduling else "off")
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, front_end_outputs: bool = False) -> LLMEngine:
+        return cls(args.create_engine_config(), front_end_outputs)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -149,11 +152,19 @@ class LLMEngine:
         outputs = []
         for rid in ids:
             self.scheduler.abort(self.output_processor.child_ids(rid))
-            out = self.output_processor.abort(rid)
-            if out is not None:
-                outputs.append(out)
+            outputs += self.output_processor.abort(rid)
         self.runner.remove_finished(self.scheduler.requests)
         return outputs
+
+    def finish_children(self, finished: list[tuple[str, int, str]]) -> None:
+        """Children the front end finished (front_end_outputs: a stop string, or their output failed there):
+        (child_id, tokens it kept, RequestStatus value). Freed now; tokens computed meanwhile are dropped."""
+        for child_id, kept, status in finished:
+            if self.output_processor.finished_by_front_end(child_id, kept):
+                req = self.scheduler.requests.get(child_id)
+                if req is not None:
+                    self.scheduler.finish(req, RequestStatus(status))
+        self.runner.remove_finished(self.scheduler.requests)
 
     def _can_speculate(self, params: SamplingParams) -> bool:
         """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans, logit

@@ -155,15 +155,17 @@ class OutputProcessor:
         parent.finished_children.add(child.index)
         parent.error = parent.error or message
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """The request's last output (none if it is unknown or finished)."""
         parent = self.parents.get(request_id)
         if parent is None:
-            return None
+            return []
         for c in parent.children:
             if c.finish_reason is None:
                 c.finish_reason = RequestStatus.FINISHED_ABORTED.value
                 parent.finished_children.add(c.index)
-        return self._output(parent, time.monotonic())
+        out = self._output(parent, time.monotonic())
+        return [] if out is None else [out]
 
     def _output(self, parent: ParentState, now: float) -> RequestOutput | None:
         finished = len(parent.finished_children) == len(parent.children)
