@@ -4,7 +4,7 @@ gave them, and how it finished; no text, no logprob dicts, no RequestOutput. The
 (`frontend_outputs.py`) detokenizes, applies stop strings (then tells the core to finish the child) and builds
 the responses in its own process, off the core's step loop.
 
-A record is a plain tuple (pickled with the step's message, see serial_utils.py):
+A record is a plain tuple, pickled with the step's message (cheaper than objects: serial_utils.py's measurements):
 (child_id, new_token_ids, logprob_row | None, prompt_logprob_rows | None, finish | None, stop_reason,
  num_cached_tokens, first_scheduled_time, num_preemptions, spec_counts | None, error | None)
 where logprob_row is (ids, logprobs, rank) of the one new token (requests with logprobs never speculate),

@@ -1,4 +1,7 @@
-"""RequestOutputs as plain tuples for the pipe between the engine core process and the front end.
+"""RequestOutputs as plain tuples: how they crossed the engine core's pipe while the core built them. The pipe
+now carries the core's records (core_outputs.py) and the front end builds the outputs; the benchmarks that
+time the old layout (bench_core_closed_loop's `served` mode, bench_host_overhead, bench_gc_pauses,
+bench_pipe_outputs) still pack with these.
 
 Pickling slotted dataclasses goes through Python-level reduction per object: 64 streams' outputs of one step
 (a completion each, its logprob) take 423-738 us to pickle and 310-601 us to unpickle on the development
