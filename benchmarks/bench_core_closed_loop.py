@@ -144,9 +144,11 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.empty_cache()
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    # Prefix caching off: the timed run repeats the warm-up's prompts, which would skip their prefill from the
+    # cache (the sweep's prompts never repeat).
     engine_args = EngineArgs(
         model=str(tmp), device=args.device, dtype=args.dtype, seed=args.seed, max_num_seqs=args.concurrency,
-        max_model_len=args.input_len + args.output_len + 8, **extra)
+        max_model_len=args.input_len + args.output_len + 8, enable_prefix_caching=False, **extra)
     modes = args.modes.split(",")
     engines = {records: LLMEngine.from_engine_args(engine_args, front_end_outputs=records)
                for records in sorted({m == "served_core" for m in modes})}
