@@ -130,8 +130,12 @@ def check_prompt_texts(prompts: Sequence[PromptType]) -> None:
 
 
 def text_content(message: dict) -> dict:
-    """The message with list-of-parts content joined into one string (chat templates render strings)."""
+    """The message with list-of-parts content joined into one string (chat templates render strings); a null or
+    absent content (an assistant turn that only called tools) is "", as upstream renders it, so templates that
+    concatenate message['content'] do not fail on it."""
     content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
     if not isinstance(content, list):
         return message
     texts = []

@@ -173,3 +173,27 @@ def test_bad_tool_requests_are_400s_that_say_why(engine, tools, body, fragment):
         return e.value
     err = asyncio.run(go())
     assert fragment in str(err)
+
+
+def test_null_content_history_renders_with_the_builtin_template(engine):
+    """An assistant turn with `content: null` and tool calls (what the openai client sends back) renders with the
+    built-in template, which concatenates message['content']: the content is "", as upstream has it."""
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "functions.get_weather:0", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"}]
+
+    async def go():
+        client, script = _client(engine, FULL)
+        script.text = "It is -3 C."
+        return await client.chat.completions.create(model="kimi", messages=messages, tools=TOOLS), script
+    r, script = asyncio.run(go())
+    assert r.choices[0].message.content == "It is -3 C."
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n-3 C<|im_end|>" in script.prompts[0]
+
+
+def test_llm_chat_takes_null_content():
+    from vllm.entrypoints.llm import text_content
+    msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}]}
+    assert text_content(msg) == {**msg, "content": ""} and text_content({"role": "user"})["content"] == ""

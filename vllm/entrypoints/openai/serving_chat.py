@@ -12,6 +12,7 @@ from typing import Literal
 from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
+from vllm.entrypoints.llm import text_content
 from vllm.entrypoints.openai.chat_render import (ChatRenderer, RenderJob, RenderLimits, check_template_fields,
                                                  reserved_kwargs)
 from vllm.entrypoints.openai.chat_tools import ChoiceParser, check_tool_settings, forced_prefix, tool_choice_mode
@@ -48,7 +49,8 @@ class OpenAIServingChat(OpenAIServing):
         --chat-template, which beats the tokenizer's own."""
         check_template_fields(req.chat_template, req.chat_template_kwargs, self.settings.trust_request_chat_template,
                               self.reserved_kwargs)
-        job = RenderJob(conversation=[m.model_dump(exclude_none=True) for m in req.messages],
+        # exclude_none drops unset optional fields; a null content comes back as "" (text_content)
+        job = RenderJob(conversation=[text_content(m.model_dump(exclude_none=True)) for m in req.messages],
                         chat_template=req.chat_template or self.settings.chat_template,
                         kwargs=dict(req.chat_template_kwargs or {}),
                         # the template renders them (transformers' `tools` argument)
