@@ -11,7 +11,8 @@ from __future__ import annotations
 from vllm.utils import partial_marker_len
 
 THINK_BEGIN, THINK_END = "<think>", "</think>"
-TOOL_SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+# A call begun without its section marker ends the thinking too (as real output does it; the tool parser reads it).
+TOOL_SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<|tool_call_begin|>")
 
 
 def prompt_opens_thinking(prompt: str) -> bool:
