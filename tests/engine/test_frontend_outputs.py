@@ -113,3 +113,13 @@ def _greedy_ids(engine: LLMEngine, ids: list[int], params: SamplingParams) -> li
         for o in engine.step():
             out = o
     return out.outputs[0].token_ids
+
+
+def test_a_refused_request_leaves_nothing_in_the_front_end(engines):
+    _, core, _ = engines
+    front = FrontEndOutputs(core.tokenizer)
+    front.add("bad", None, [5, 6], SamplingParams(n=2))
+    assert set(front.views) == {"bad-0", "bad-1"} and "bad" in front.processor.parents
+    front.discard("bad")
+    assert not front.views and not front.children
+    assert not front.processor.parents and not front.processor.child_parent

@@ -74,8 +74,7 @@ class FrontEndOutputs:
         """A request the core refused: no output will come."""
         for cid in self.children.pop(request_id, ()):
             self.views.pop(cid, None)
-            self.processor.child_parent.pop(cid, None)
-        self.processor.parents.pop(request_id, None)
+        self.processor.forget(request_id)
 
     def parents_of(self, records: list[CoreRecord]) -> list[str]:
         return list(dict.fromkeys(self.views[r[0]].parent_id for r in records if r[0] in self.views))

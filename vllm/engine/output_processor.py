@@ -155,6 +155,12 @@ class OutputProcessor:
         parent.finished_children.add(child.index)
         parent.error = parent.error or message
 
+    def forget(self, request_id: str) -> None:
+        """Drops a request that will get no output (the engine core refused it)."""
+        parent = self.parents.pop(request_id, None)
+        for c in parent.children if parent is not None else ():
+            self.child_parent.pop(c.request.request_id, None)
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """The request's last output (none if it is unknown or finished)."""
         parent = self.parents.get(request_id)

@@ -29,6 +29,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
         '{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>')
 ANSWER = "<think>They want the weather.</think>Let me look." + CALL
+# A conversation with a tool call and its result, as the openai client sends it back (content null).
+HISTORY = [{"role": "user", "content": "Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "functions.get_weather:0", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+           {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"}]
 # A template that shows what reached it: the tools, each message's tool calls and tool results.
 TEMPLATE = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
             "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
@@ -110,11 +116,7 @@ def test_streamed_deltas_add_up(engine):
 
 
 def test_tool_call_history_reaches_the_template(engine):
-    messages = [{"role": "user", "content": "Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "functions.get_weather:0", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"}]
+    messages = HISTORY
 
     async def go():
         client, script = _client(engine, FULL)
@@ -178,11 +180,7 @@ def test_bad_tool_requests_are_400s_that_say_why(engine, tools, body, fragment):
 def test_null_content_history_renders_with_the_builtin_template(engine):
     """An assistant turn with `content: null` and tool calls (what the openai client sends back) renders with the
     built-in template, which concatenates message['content']: the content is "", as upstream has it."""
-    messages = [{"role": "user", "content": "Oslo?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "functions.get_weather:0", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-                {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "-3 C"}]
+    messages = HISTORY
 
     async def go():
         client, script = _client(engine, FULL)

@@ -26,7 +26,9 @@ class GemmConfig:
     num_stages: int
 
 
+@functools.lru_cache
 def device_name(device: torch.device) -> str:
+    """Cached: eager steps ask once per MoE layer."""
     return torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
 
 
