@@ -92,7 +92,9 @@ def cpu_utilization(run, server_pid: int):
     result = run()
     wall = time.monotonic() - t0
     used = {k: (sum(cpu_seconds(p) for p in pids) - before[k]) / wall for k, pids in procs.items()}
-    used["client"] = (time.process_time() - client0) / wall
+    # The load generator's own processes report their CPU seconds (bench_serve's summary["client"]).
+    client = (result.get("summary", {}).get("client") or {}).get("cpu_s")
+    used["client"] = (time.process_time() - client0 if client is None else client) / wall
     return result, {k: round(v, 3) for k, v in used.items()}
 
 
