@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5  # temperatures below this sample greedily, as upstream does
 MAX_LOGPROBS = 20  # upstream's default --max-logprobs
 # torch.Generator.manual_seed takes 64 bits, signed or unsigned.
@@ -61,6 +63,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output follows a JSON schema, regex, choice or grammar (vllm/structured_output); a dict is converted.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: eos and stop_token_ids together (min_tokens masks them all).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
     # Filled by the engine from bad_words: the token sequences the output must never end with.
@@ -105,6 +109,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self._validate()
         self._validate_token_maps()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are irrelevant; normalise them so batches stay on the fast path.
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -75,6 +75,8 @@ class Request:
     # that succeeds (then the failure was someone else's); `num_failed_steps` bounds how often it may be retried.
     suspect: bool = False
     num_failed_steps: int = 0
+    # Structured outputs: the request's grammar and matcher (vllm/structured_output), None when unconstrained.
+    structured_output: Any = None
     # all_token_ids()'s buffer and how many of its leading entries are current.
     _token_buf: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _token_buf_len: int = field(default=0, init=False, repr=False, compare=False)

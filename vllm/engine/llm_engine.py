@@ -23,6 +23,7 @@ from vllm.outputs import RequestOutput
 from vllm.sample.bad_words import bad_words_token_ids
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
+from vllm.structured_output.manager import StructuredOutputManager
 from vllm.transformers_utils.tokenizer import check_vocab, get_tokenizer
 from vllm.worker.model_runner import ModelRunner
 from vllm.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -63,6 +64,8 @@ class LLMEngine:
         self.output_processor = CoreOutputCollector() if front_end_outputs else OutputProcessor(self.tokenizer)
         self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  config.scheduler_config.max_num_seqs, mc.device)
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -124,6 +127,8 @@ class LLMEngine:
                                     spec_stats=SpecDecodeStats(self.num_spec) if self.num_spec else None))
         self.output_processor.add(request_id, text, children, params)
         for c in children:
+            if params.structured_outputs is not None:
+                self.structured.add(c, params.structured_outputs)
             self.scheduler.add_request(c)
         if any(len(seq) > 1 for seq in params.bad_words_token_ids):
             self.history_bans += children
@@ -170,7 +175,8 @@ class LLMEngine:
         """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans, logit
         biases or logprobs: requests asking for those decode one token per step."""
         return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
-            and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing
+            and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing \
+            and params.structured_outputs is None  # drafts are not checked against the grammar
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks and snapshots not held by a request); True once done, as
@@ -207,14 +213,16 @@ class LLMEngine:
             return outputs + self._drain()
         rows = sched.scheduled
         self.last_scheduled = sched
+        early: list[RequestOutput] = []  # the step before's, when the grammar hook drained it
         try:
             launched = self.runner.execute_model(sched, self.kv_cache_manager, self.last_launched,
-                                                 last_landed=self.in_flight is None)
+                                                 last_landed=self.in_flight is None,
+                                                 before_sampling=self._grammar_hook(sched, early))
         except Exception as e:  # noqa: BLE001 - contained: only the request that causes it fails
-            outputs += self._drain()
+            outputs += early + self._drain()
             return outputs + self._contain(sched, e)
         self.last_launched = launched
-        outputs += self._drain()
+        outputs += early + self._drain()
         self.in_flight = (sched, launched)
         if not self.async_scheduling:
             outputs += self._drain()
@@ -231,6 +239,30 @@ class LLMEngine:
         if self.history_bans:
             self.history_bans = [r for r in self.history_bans if not r.status.finished]
         return bool(self.history_bans)
+
+    def _grammar_hook(self, sched: SchedulerOutput, early: list[RequestOutput]):
+        """For a step with structured-output rows: what the runner calls once the forward is queued. It drains
+        the step before (its tokens advance the matchers, in _process_step) into `early`, then returns the
+        rows' bitmask; the host does this while the device runs the forward."""
+        rows = [s.request for s in sched.scheduled if s.samples and not s.draft_token_ids]
+        if not any(r.structured_output is not None for r in rows):
+            return None
+
+        def before_sampling():
+            early.extend(self._drain())
+            mask, failed = self.structured.grammar_bitmask(rows)
+            early.extend(self._fail(failed))
+            return mask
+        return before_sampling
+
+    def _fail(self, failed: list[tuple[Request, str]]) -> list[RequestOutput]:
+        """Finishes each request with finish_reason "error" and the message; their outputs."""
+        outputs = []
+        for req, message in failed:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            if (out := self.output_processor.fail(req.request_id, message)) is not None:
+                outputs.append(out)
+        return outputs
 
     def _drain(self) -> list[RequestOutput]:
         """Waits for the step in flight, if any, and processes its outputs."""
@@ -252,7 +284,13 @@ class LLMEngine:
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
         updated = self.scheduler.update_from_output(sched, result.sampled, result.snapshots_saved)
-        outputs, stopped, failed = self.output_processor.process(updated, result.logprobs)
+        refused = [(r, reason) for r in updated if r.structured_output is not None and not r.status.finished
+                   and (reason := r.structured_output.advance(r.output_token_ids)) is not None]
+        failures = self._fail(refused)
+        outputs, stopped, failed = self.output_processor.process(
+            [r for r in updated if r.status is not RequestStatus.FINISHED_ERROR] if refused else updated,
+            result.logprobs)
+        outputs = failures + outputs
         for rid, status in [(rid, RequestStatus.FINISHED_STOPPED) for rid in stopped] + \
                 [(rid, RequestStatus.FINISHED_ERROR) for rid in failed]:
             req = self.scheduler.requests.get(rid)

@@ -1,7 +1,8 @@
 """The sampler for one engine step (upstream vLLM v1 semantics), one row per request that samples this step.
 
-Order: banned ids -> penalties -> greedy rows take the argmax; random rows: temperature -> min-p -> top-k ->
-top-p -> exponential race. Logprobs come from the raw logits, before any of that.
+Order: the grammar's mask (structured outputs) -> banned ids -> penalties -> greedy rows take the argmax; random
+rows: temperature -> min-p -> top-k -> top-p -> exponential race. Logprobs come from the raw logits, before
+all of that but the grammar's mask.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.sample.grammar_bitmask import GrammarBitmask, apply_grammar_bitmask
 from vllm.sampling_params import SamplingParams
 from vllm.utils import async_tensor_h2d
 
@@ -117,7 +119,10 @@ class SamplerOutput:
 class Sampler:
     """Never writes into the caller's logits: the runner may still need them (e.g. for prompt logprobs)."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 grammar: GrammarBitmask | None = None) -> SamplerOutput:
+        if grammar is not None:  # before logprobs, as upstream: they are the constrained distribution's
+            logits = apply_grammar_bitmask(logits, grammar)
         # Users ask for the model's own distribution, so logprobs ignore penalties and filters (upstream's
         # default "raw_logprobs").
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None

@@ -22,6 +22,7 @@ from vllm.core.request import Request
 from vllm.core.scheduler import SchedulerOutput
 from vllm.model_executor.model_loader import load_model
 from vllm.model_executor.models.kimi_k3.model import LayerCaches, allocate_layer_caches
+from vllm.sample.grammar_bitmask import GrammarBitmask
 from vllm.spec_decode.adaptive_verification import AdaptiveVerifier, StepTimes
 from vllm.utils import async_tensor_d2h
 from vllm.worker.cache_sizing import CacheLayout, plan_cache, profile_peak_bytes
@@ -248,10 +249,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput, kv: KVCacheManager, last: AsyncModelRunnerOutput | None = None,
-                      last_landed: bool = True) -> AsyncModelRunnerOutput:
+                      last_landed: bool = True,
+                      before_sampling: Callable[[], GrammarBitmask | None] | None = None) -> AsyncModelRunnerOutput:
         """Queues one step on the device and returns without waiting for it. `last`: the step launched before,
         which may still be running (its tokens and drafts continue rows of this one); `last_landed`: whether its
-        outputs have reached the requests already."""
+        outputs have reached the requests already. `before_sampling`: called once the forward is queued, it
+        returns the structured-output masks of the sampling rows (vllm/structured_output/manager.py)."""
         in_flight = None if last is None or last_landed else last.in_flight_tokens
         rows = out.scheduled
         sampling = self.sampling.metadata([s.request for s in rows if s.samples and not s.draft_token_ids],
@@ -271,13 +274,15 @@ class ModelRunner:
             prediction.device_lens = async_tensor_d2h(device_lens)
         self.snapshots.restore(out.restores)  # prefix cache hits' states, before the forward reads them
         hidden, tail = self.graphs.run(common)
+        grammar = before_sampling() if before_sampling is not None else None
         result = AsyncModelRunnerOutput(num_tokens=common.num_actual_tokens, recut=trimmed is not None,
                                         survival_prediction=prediction)
         draft_probs = None
         if last is not None and last.draft_probs is not None and spec_sampling is not None \
                 and not spec_sampling.all_greedy:
             draft_probs = self.drafting.draft_probs_for(out, last)
-        tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result, draft_probs)
+        tokens = self.sample_step(out, common, hidden, tail, sampling, spec_sampling, trimmed, result, draft_probs,
+                                  grammar)
         saved, decode_saves = self.snapshots.save(out.saves, common, self.input_batch.positions.gpu, tokens)
         if self.state_commit is not None:  # RecoverSSM: the rows' kept tokens into their states
             self.state_commit(common, tokens, decode_saves)

@@ -16,6 +16,7 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.core.scheduler import SchedulerOutput
 from vllm.core.sentinels import PLACEHOLDER_TOKEN_ID
+from vllm.sample.grammar_bitmask import GrammarBitmask
 from vllm.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from vllm.sample.sampler import Sampler, SamplingMetadata, gather_logprobs
 from vllm.utils import async_tensor_d2h, async_tensor_h2d
@@ -53,17 +54,18 @@ class SampleStep:
     def __call__(self, out: SchedulerOutput, common: CommonAttentionMetadata, hidden: torch.Tensor,
                  tail: DecodeTail | None, sampling: SamplingMetadata | None, spec_sampling: SamplingMetadata | None,
                  trimmed: list[int] | None, result: AsyncModelRunnerOutput,
-                 draft_probs: torch.Tensor | None = None) -> StepTokens:
+                 draft_probs: torch.Tensor | None = None, grammar: GrammarBitmask | None = None) -> StepTokens:
         """Queues the step's verification, sampling and prompt logprobs into `result`. `trimmed`: the row lengths
         of an all-verify step the device re-cut (every token is then a logits row), else None. `draft_probs`:
-        probabilistic drafts' distributions [verify rows, K, V] (None: drafts are deterministic)."""
+        probabilistic drafts' distributions [verify rows, K, V] (None: drafts are deterministic). `grammar`: the
+        structured-output masks of some sampling rows (their indices among the sampling rows)."""
         T = common.num_actual_tokens
         ends = common.query_start_loc_cpu[1:common.num_reqs + 1].tolist()
         sample_rows = [r for r, s in enumerate(out.scheduled) if s.samples and not s.draft_token_ids]
         verify_rows = [r for r, s in enumerate(out.scheduled) if s.draft_token_ids]
         verify_in_graph = bool(verify_rows) and tail is not None and tail.verified is not None \
             and spec_sampling.all_greedy
-        sample_in_graph = bool(sample_rows) and tail is not None and sampling.argmax_only
+        sample_in_graph = bool(sample_rows) and tail is not None and sampling.argmax_only and grammar is None
 
         # The one upload: the logits rows, then the verify rows' graph rows or offsets, the sampling rows' graph
         # rows, the prompt targets; consumed in that order below.
@@ -130,7 +132,7 @@ class SampleStep:
             if sample_in_graph:  # the graph took the argmax of every token
                 sampled = tail.argmax[argmax_rows] if gather_argmax else tail.argmax[:T]
             else:
-                s = self.sampler(logits[num_verify_logits:num_verify_logits + num_sample_logits], sampling)
+                s = self.sampler(logits[num_verify_logits:num_verify_logits + num_sample_logits], sampling, grammar)
                 sampled = s.sampled_token_ids
                 if s.logprobs is not None:
                     result.logprobs_host = HostLogprobs.queue(s.logprobs)

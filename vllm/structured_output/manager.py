@@ -1,0 +1,119 @@
+"""StructuredOutputManager: structured outputs in the engine core. Each constrained request's grammar (xgrammar,
+upstream's default backend) is compiled off the step loop, its matcher advanced by the request's accepted
+tokens, and each step's constrained rows get their token bitmask.
+
+The bitmask of a step needs the tokens of the step before it, which under async scheduling are still on the
+device when the step is prepared. So the engine launches the step's forward first and asks for the bitmask
+only before its sampling (ModelRunner.execute_model's `before_sampling`): the host waits for the previous
+step's tokens, advances the matchers and fills the bitmask while the device runs the forward. Steps without a
+constrained row are not touched.
+
+Constrained requests decode one token per step: their drafts would need the grammar's mask at each draft
+position (a matcher forked per position); without drafts their outputs are exact, and other requests keep
+speculating. docs/structured_outputs.md has the whole contract.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from vllm.core.request import Request
+from vllm.sample.grammar_bitmask import GrammarBitmask
+from vllm.structured_output.params import StructuredOutputsParams
+from vllm.utils import async_tensor_h2d
+
+
+class StructuredOutputRequest:
+    """One request's grammar: the compile in flight, then its matcher and how many output tokens it accepted."""
+
+    __slots__ = ("future", "_matcher", "num_accepted")
+
+    def __init__(self, future: Future) -> None:
+        self.future, self._matcher, self.num_accepted = future, None, 0
+
+    @property
+    def matcher(self):
+        """The grammar's matcher (waits for the compile, which usually finished during the prompt's steps);
+        raises ValueError when the grammar failed to compile."""
+        if self._matcher is None:
+            import xgrammar as xgr
+            try:
+                compiled = self.future.result()
+            except Exception as e:  # noqa: BLE001 - whatever the compiler raised, the request names it
+                raise ValueError(f"the structured output's grammar failed to compile: {e}") from None
+            self._matcher = xgr.GrammarMatcher(compiled)
+        return self._matcher
+
+    def advance(self, output_token_ids: list[int]) -> str | None:
+        """Feeds the output tokens the matcher has not seen; returns why one was refused (None: all taken)."""
+        matcher = self.matcher
+        while self.num_accepted < len(output_token_ids):
+            token = output_token_ids[self.num_accepted]
+            if not matcher.accept_token(token):
+                return (f"token {token} at output position {self.num_accepted} breaks the structured output's "
+                        "grammar" + (" (it was already complete)" if matcher.is_terminated() else ""))
+            self.num_accepted += 1
+        return None
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], max_num_seqs: int,
+                 device: torch.device) -> None:
+        self.tokenizer, self.vocab_size, self.device = tokenizer, vocab_size, device
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self._compiler = None  # built with the first constrained request (TokenizerInfo walks the vocabulary)
+        self._executor: ThreadPoolExecutor | None = None
+        self._host_bitmask: torch.Tensor | None = None
+
+    def add(self, request: Request, params: StructuredOutputsParams) -> None:
+        """Starts compiling the request's grammar in the background."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        request.structured_output = StructuredOutputRequest(self._executor.submit(self._compile, params))
+
+    def _compile(self, params: StructuredOutputsParams):
+        import xgrammar as xgr
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        kind, source = params.grammar_spec()
+        if kind == "json":
+            return self._compiler.compile_json_schema(source, any_whitespace=not params.disable_any_whitespace)
+        if kind == "json_object":  # OpenAI's JSON mode promises an object, not any JSON value
+            return self._compiler.compile_json_schema('{"type": "object"}',
+                                                      any_whitespace=not params.disable_any_whitespace)
+        if kind == "regex":
+            return self._compiler.compile_regex(source)
+        return self._compiler.compile_grammar(source)
+
+    def grammar_bitmask(self, rows: list[Request]) -> tuple[GrammarBitmask | None, list[tuple[Request, str]]]:
+        """The bitmask of a step's sampling `rows` (in the sampler's order) that have a grammar, and the requests
+        whose grammar cannot go on (with the reason): their rows are left unconstrained and the engine fails
+        them. A finished request's row is left unconstrained too (its token is dropped)."""
+        import xgrammar as xgr
+        constrained = [(j, r) for j, r in enumerate(rows) if r.structured_output is not None]
+        if not constrained:
+            return None, []
+        if self._host_bitmask is None:
+            self._host_bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+        host = self._host_bitmask[:len(constrained)]
+        host.fill_(-1)
+        failed = []
+        for i, (_, req) in enumerate(constrained):
+            if req.status.finished:
+                continue
+            try:
+                matcher = req.structured_output.matcher
+            except ValueError as e:
+                failed.append((req, str(e)))
+                continue
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(host, i)
+        # async_tensor_h2d copies into fresh pinned memory: the buffer is refilled next step while this copy may
+        # still be queued.
+        mask = GrammarBitmask(async_tensor_h2d([j for j, _ in constrained], torch.int64, self.device),
+                              async_tensor_h2d(host, torch.int32, self.device))
+        return mask, failed
