@@ -132,23 +132,45 @@ def test_tool_call_history_reaches_the_template(engine):
     assert "<tool>-3 C[result of functions.get_weather:0]" in prompt
 
 
-@pytest.mark.parametrize("choice", ["named", "required"])
-def test_forced_choices_start_the_answer_in_the_call(engine, choice):
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["named", "required", "required_single"])
+def test_forced_choices_are_constrained_to_the_tools_schemas(engine, choice, stream):
+    """A named choice: the prompt ends with the call's header and the answer is held to the function's parameters;
+    "required": to an array of {name, parameters} calls (one with parallel_tool_calls false). The answers the
+    constraint allows become tool_calls whole and streamed; the script writes what the grammar would allow."""
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    extra = {"parallel_tool_calls": False} if choice == "required_single" else {}
 
     async def go():
         client, script = _client(engine, ToolSettings(False, KimiK2ToolParser))  # no auto: not needed here
-        script.text = ('{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>' if choice == "named" else
-                       CALL.removeprefix("<|tool_calls_section_begin|><|tool_call_begin|>"))
+        script.text = ('{"city": "Rome"}' if choice == "named" else
+                       '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
         r = await client.chat.completions.create(model="kimi", messages=[{"role": "user", "content": "?"}],
-                                                 tools=TOOLS, tool_choice=tool_choice)
-        return r, script
-    r, script = asyncio.run(go())
-    assert script.prompts[0].endswith("<|tool_calls_section_begin|><|tool_call_begin|>" + (
-        "functions.get_weather:0<|tool_call_argument_begin|>" if choice == "named" else ""))
-    call = r.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == ({"city": "Rome"} if choice == "named" else {"city": "Oslo"})
+                                                 tools=TOOLS, tool_choice=tool_choice, stream=stream, **extra)
+        if not stream:
+            return r.choices[0].message.tool_calls, r.choices[0].finish_reason, script
+        calls, finish = {}, None
+        async for chunk in r:
+            for d in chunk.choices[0].delta.tool_calls or []:
+                calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return [c for _, c in sorted(calls.items())], finish, script
+    calls, finish, script = asyncio.run(go())
+    header = "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    assert script.prompts[0].endswith(header) == (choice == "named")
+    schema = script.params[0].structured_outputs.json
+    parameters = TOOLS[0]["function"]["parameters"]
+    if choice == "named":
+        assert schema == parameters
+    else:
+        assert schema["items"]["anyOf"][0]["properties"] == {"name": {"const": "get_weather"},
+                                                             "parameters": parameters}
+        assert schema.get("maxItems") == (1 if choice == "required_single" else None)
+    names = [c.function.name if not stream else c["name"] for c in calls]
+    args = [json.loads(c.function.arguments if not stream else c["arguments"]) for c in calls]
+    assert names == ["get_weather"] and args == [{"city": "Rome"} if choice == "named" else {"city": "Oslo"}]
+    assert finish == "tool_calls"
 
 
 def test_tool_choice_none_answers_plain_content(engine):

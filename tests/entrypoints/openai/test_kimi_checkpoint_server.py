@@ -3,6 +3,8 @@ tokenizer and chat_template.jinja over HTTP, generation_config.json's defaults f
 unset, `--generation-config vllm` and `--chat-template` overriding them."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from kimi_checkpoint import write_kimi_checkpoint
@@ -79,18 +81,20 @@ def test_generation_config_vllm_and_chat_template_override(start_server, kimi_di
 
 def test_tool_calls_through_serve_on_the_kimi_checkpoint(start_server, kimi_dir):
     """The tool flags on `vllm serve`: a named tool_choice makes the answer start inside that function's call (the
-    prompt ends with the call's header, in the tokenizer's own special tokens), so whatever the tiny model writes
-    next, the response carries the call. Without tool_choice the model's own answer comes back as a message."""
+    prompt ends with the call's header, in the tokenizer's own special tokens) and holds it to the function's
+    parameters, so whatever the tiny model prefers, the response carries the call with arguments that parse.
+    Without tool_choice the model's own answer comes back as a message."""
     import openai
     server = start_server(kimi_dir, "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser",
                           "kimi_k2", "--reasoning-parser", "kimi_k2")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     named = client.chat.completions.create(
-        model=server.args[0], messages=MESSAGES, tools=tools, max_tokens=4,
+        model=server.args[0], messages=MESSAGES, tools=tools, max_tokens=16,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = named.choices[0].message.tool_calls[0]
     assert (call.id, call.function.name) == ("functions.get_weather:0", "get_weather")
+    assert json.loads(call.function.arguments) == {}  # the only object {"type": "object"} allows in strict mode
     tok = get_tokenizer(kimi_dir, trust_remote_code=True)
     header = tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                         "<|tool_call_argument_begin|>", add_special_tokens=False)

@@ -223,12 +223,12 @@ def test_chat_continue_final_message_and_echo(http, offline_llm):
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"response_format": {"type": "json_object"}}, "needs structured outputs"),
+    ({"response_format": {"type": "structural_tag"}}, "'structural_tag' is not supported"),
     ({"use_beam_search": True, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "use_beam_search does not combine with tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]},
      '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
-    ({"guided_json": {"type": "object"}}, "guided decoding is not supported"),
+    ({"functions": [{"name": "f"}]}, "function calling is not supported"),
 ])
 def test_known_but_unsupported_fields_are_refused(http, body, fragment):
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, **body})

@@ -6,13 +6,17 @@ stream deltas.
 - "none": tools only reach the chat template (the model sees them); the answer is plain content.
 - "auto" (the default with tools): the model decides; its calls are parsed out. Needs
   `--enable-auto-tool-choice --tool-call-parser NAME`, as upstream.
-- "required" / a named function: this engine has no guided decoding, so the answer is made to start with the
-  tool-call section (and, for a named function, that function's call header). The prompt ends with that prefix
-  and the parser reads it before the model's text, so the call is announced even before its arguments come.
-  Needs `--tool-call-parser`.
+- a named function: the prompt ends with the model's own call header for it (tool-call section, call, function
+  name, argument marker), and the answer is constrained (structured outputs) to the function's `parameters`
+  schema: the arguments always parse and validate. Needs `--tool-call-parser`.
+- "required": the answer is constrained to a JSON array of {"name", "parameters"} objects, one per call, each
+  naming one of the tools and holding arguments of its schema (upstream's form); `parallel_tool_calls: false`
+  allows exactly one. Needs `--tool-call-parser`.
+A constrained answer cut by max_tokens is returned as content, with finish_reason "length".
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +61,68 @@ def check_tool_settings(mode: str, settings: ToolSettings) -> None:
 
 
 def forced_prefix(mode: str, name: str | None) -> str:
-    """The text a "required" or named answer starts with (see the module's docstring); "" otherwise."""
-    if mode == "required":
-        return SECTION_BEGIN[0] + CALL_BEGIN
+    """The text a named answer starts with (see the module's docstring); "" otherwise."""
     if mode == "named":
         return f"{SECTION_BEGIN[0]}{CALL_BEGIN}functions.{name}:0{ARGUMENT_BEGIN}"
     return ""
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_call_constraint(mode: str, name: str | None, tools: list[dict], parallel: bool | None) -> dict | None:
+    """The structured_outputs a "required" or named answer is held to; None for "auto" and "none"."""
+    # Compact JSON: the arguments are re-serialised anyway, and free whitespace only gives a weak model room
+    # to wander before max_tokens.
+    if mode == "named":
+        return {"json": _parameters(next(t for t in tools if t["function"]["name"] == name)),
+                "disable_any_whitespace": True}
+    if mode != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return {"json": schema, "disable_any_whitespace": True}
+
+
+class ConstrainedCalls:
+    """The tool calls of a constrained answer (tool_call_constraint): the arguments of the named function, or
+    the array of calls. Streamed, the calls come whole in the last delta, once the answer parsed."""
+
+    def __init__(self, mode: str, name: str | None) -> None:
+        self.mode, self.name, self.text, self.has_tool_calls = mode, name, "", False
+
+    def calls(self, text: str) -> list[tuple[str, str]] | None:
+        """(name, arguments) of each call; None when the text is not a whole answer (cut by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.mode == "named":
+            return [(self.name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+        if not isinstance(value, list) or not all(isinstance(c, dict) and "name" in c for c in value):
+            return None
+        return [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+
+    def message(self, text: str) -> dict:
+        calls = self.calls(text)
+        if calls is None:
+            return {"content": text}
+        self.has_tool_calls = True
+        return {"content": None, "tool_calls": [openai_tool_call(None, f"functions.{n}:{i}", n, args)
+                                                for i, (n, args) in enumerate(calls)]}
+
+    def delta(self, text: str, final: bool) -> dict:
+        self.text += text
+        if not final:
+            return {}
+        message = self.message(self.text)
+        if "tool_calls" not in message:
+            return {"content": self.text} if self.text else {}
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
 
 
 def openai_tool_call(index: int | None, call_id: str | None, name: str | None, arguments: str) -> dict:
@@ -78,7 +138,9 @@ def openai_tool_call(index: int | None, call_id: str | None, name: str | None, a
 class ChoiceParser:
     """One choice of one request: its text split into thinking, content and tool calls."""
 
-    def __init__(self, settings: ToolSettings, parse_tools: bool, prompt_text: str, prefix: str) -> None:
+    def __init__(self, settings: ToolSettings, parse_tools: bool, prompt_text: str, prefix: str,
+                 constrained: ConstrainedCalls | None = None) -> None:
+        self.constrained = constrained  # a "required" or named answer: its text is only its calls
         self.tools = settings.tool_parser if parse_tools else None
         self.reasoning = settings.reasoning_parser
         self.prompt_text, self.prefix = prompt_text, prefix
@@ -88,10 +150,12 @@ class ChoiceParser:
 
     @property
     def active(self) -> bool:
-        return self.tools is not None or self.reasoning is not None
+        return self.tools is not None or self.reasoning is not None or self.constrained is not None
 
     def message(self, text: str) -> dict:
         """The whole answer's message fields; `tool_calls` present only when the model called tools."""
+        if self.constrained is not None:
+            return self.constrained.message(text)
         text = self.prefix + text
         reasoning, content = (self.reasoning.extract(text, self.prompt_text) if self.reasoning and not self.prefix
                               else (None, text))
@@ -107,6 +171,8 @@ class ChoiceParser:
 
     def delta(self, text: str, final: bool) -> dict:
         """The delta fields for the next piece of a stream (`final`: the answer ended; flush what was held)."""
+        if self.constrained is not None:
+            return self.constrained.delta(text, final)
         if not self.primed and self.prefix:
             text, self.primed = self.prefix + text, True
         reasoning, content = self._fed(self.reasoning_stream, text, final) if self.reasoning_stream else ("", text)
@@ -135,4 +201,6 @@ class ChoiceParser:
 
     @property
     def called_tools(self) -> bool:
+        if self.constrained is not None:
+            return self.constrained.has_tool_calls
         return self.tool_stream is not None and self.tool_stream.has_tool_calls

@@ -3,8 +3,8 @@
 Known fields parse as upstream's pydantic models do: in pydantic's lax mode, where "5" is 5 and "true" is true
 (upstream's own tests send `"logprobs": "true"`). A value that is not one is a 400 that names the field. Unknown
 fields are accepted and ignored with a logged warning, as upstream does: clients built for other servers send
-extras (`user`, `metadata`, ...). Fields we know but cannot honour (`functions`, guided decoding, JSON response
-formats, beam search with tools) are refused with a 400 saying so, rather than ignored into a different answer.
+extras (`user`, `metadata`, ...). Fields we know but cannot honour (`functions`, structural tags, beam search
+with tools) are refused with a 400 saying so, rather than ignored into a different answer.
 """
 from __future__ import annotations
 
@@ -20,12 +20,10 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 # Known to upstream's schema, and not something this engine can do: a 400 naming the reason.
 UNSUPPORTED_FIELDS = {
     "functions": "function calling is not supported by this server",
-    "guided_json": "guided decoding is not supported by this server",
-    "guided_regex": "guided decoding is not supported by this server",
-    "guided_choice": "guided decoding is not supported by this server",
-    "guided_grammar": "guided decoding is not supported by this server",
-    "structured_outputs": "structured outputs are not supported by this server",
 }
+# Upstream's older request fields for structured outputs, and the structured_outputs key each one is.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class APIError(Exception):
@@ -87,15 +85,32 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False  # usage in every chunk, not only the last
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"response_format type {self.type!r} needs structured outputs, which this server "
-                             "does not support; use {\"type\": \"text\"}")
+    def _known_type(self):
+        if self.type == "structural_tag":
+            raise ValueError("response_format type 'structural_tag' is not supported; use json_schema, json_object "
+                             "or structured_outputs")
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format type 'json_schema' needs json_schema.schema")
         return self
+
+    def structured_outputs(self) -> dict | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        return None
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -128,6 +143,11 @@ class SamplingRequest(OpenAIBaseModel):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (default: the server flag)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the last N prompt tokens
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vllm/structured_output/params.py's fields
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search's: scores are cumulative logprob / length ** length_penalty
 
@@ -142,7 +162,22 @@ class SamplingRequest(OpenAIBaseModel):
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.use_beam_search and self.structured_outputs_params() is not None:
+            raise ValueError("use_beam_search does not combine with structured outputs: the beams are not "
+                             "constrained")
         return self
+
+    def structured_outputs_params(self) -> dict | None:
+        """The one constraint the request asks for, from response_format, structured_outputs or upstream's
+        guided_* fields; ValueError when it asks for several."""
+        asked = {name: so for name, so in (
+            ("response_format", self.response_format.structured_outputs() if self.response_format else None),
+            ("structured_outputs", self.structured_outputs),
+            *((f, {key: getattr(self, f)}) for f, key in GUIDED_FIELDS.items() if getattr(self, f) is not None),
+        ) if so is not None}
+        if len(asked) > 1:
+            raise ValueError(f"give one output constraint, got {', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
         """use_beam_search: n beams (upstream's reading of n), greedy unless a temperature is given."""
@@ -173,7 +208,7 @@ class SamplingRequest(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA, structured_outputs=self.structured_outputs_params(),
             **{k: v for k, v in optional.items() if v is not None})
 
 
@@ -251,7 +286,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     tools: list[ChatTool] | None = None
     tool_choice: Any = None  # "none", "auto", "required" or a named function (chat_tools.tool_choice_mode)
-    parallel_tool_calls: bool | None = None  # accepted; the model may call several tools either way
+    parallel_tool_calls: bool | None = None  # False: a "required" answer holds exactly one call
 
     @model_validator(mode="after")
     def _chat_fields(self):

@@ -15,13 +15,15 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.llm import text_content
 from vllm.entrypoints.openai.chat_render import (ChatRenderer, RenderJob, RenderLimits, check_template_fields,
                                                  reserved_kwargs)
-from vllm.entrypoints.openai.chat_tools import ChoiceParser, check_tool_settings, forced_prefix, tool_choice_mode
+from vllm.entrypoints.openai.chat_tools import (ChoiceParser, ConstrainedCalls, check_tool_settings, forced_prefix,
+                                                tool_call_constraint, tool_choice_mode)
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, ServerSettings, SSEResponse,
                                                     prompt_logprobs_json, sse, started, stream_when_started,
                                                     until_disconnect)
 from vllm.outputs import Logprob, OutputJoiner
+from vllm.structured_output.params import StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
 ROLE = "assistant"  # the role of every answer
@@ -66,8 +68,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
         tools = self.settings.tools
         try:
-            mode, name = tool_choice_mode([t.model_dump() for t in req.tools or []], req.tool_choice)
+            request_tools = [t.model_dump() for t in req.tools or []]
+            mode, name = tool_choice_mode(request_tools, req.tool_choice)
             check_tool_settings(mode, tools)
+            constraint = tool_call_constraint(mode, name, request_tools, req.parallel_tool_calls)
+            if constraint is not None and req.structured_outputs_params() is not None:
+                raise ValueError(f'tool_choice "{mode}" constrains the answer to tool calls: it does not combine '
+                                 "with response_format or structured_outputs")
         except ValueError as e:
             raise APIError(400, str(e), "tool_choice") from None
         ids = await self.prompt_ids(req)
@@ -81,14 +88,19 @@ class OpenAIServingChat(OpenAIServing):
             params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                          defaults=self.default_sampling)
             beam = req.beam_search_params(max_tokens) if req.use_beam_search else None
+            if constraint is not None:
+                params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams.from_dict(constraint))
         except ValueError as e:
             raise self.error(e) from None
         parse_tools = mode != "none" and tools.tool_parser is not None
-        if parse_tools or tools.reasoning_parser is not None:
-            # The markers the parsers read are special tokens: the text must keep them.
+        if (parse_tools or tools.reasoning_parser is not None) and constraint is None:
+            # The markers the parsers read are special tokens: the text must keep them (a constrained answer
+            # has none, and its stop token must not reach the JSON).
             params = dataclasses.replace(params, skip_special_tokens=False)
         prompt_text = self.engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]) if tools.reasoning_parser else ""
-        parsers = [ChoiceParser(tools, parse_tools, prompt_text, prefix) for _ in range(req.n)]
+        parsers = [ChoiceParser(tools, parse_tools, prompt_text, prefix,
+                                ConstrainedCalls(mode, name) if constraint is not None else None)
+                   for _ in range(req.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.log_request(request_id, ids, params)
         base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
