@@ -1,0 +1,96 @@
+"""What a JSON schema costs: output tok/s of the same greedy requests with and without structured outputs.
+
+    python benchmarks/bench_structured_outputs.py --device cuda --config benchmarks/configs/kimi-linear-1b3.json \
+        --dtype bfloat16 --batch-sizes 1,64 --output-len 128 --out benchmarks/results/gpu/structured_outputs.json
+
+The offline benchmark's random checkpoint (same --config and --seed) with the built-in tokenizer (`--config
+builtin`: the built-in model itself, whose vocabulary the tokenizer covers, for CPU runs), one LLM, and
+per batch size `batch` prompts of --prompt-len random ids generated to exactly --output-len tokens, once
+unconstrained and once held to a JSON schema: an object whose one string field must be longer than the output
+(minLength), so that no constrained request can finish early and both runs generate the same number of tokens.
+The mask is then that of the inside of a JSON string, the state most of a JSON answer's tokens are sampled in.
+The two runs alternate --repeats times (a warm-up each first, which also compiles the grammar); the figure is
+the median tok/s of each and their ratio. Prefix caching is off, as the prompts repeat across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import metadata, stats, write_json
+from bench_offline_throughput import add_checkpoint_args, build_checkpoint
+
+from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_MODEL_DIR
+
+
+def schema(output_len: int) -> dict:
+    return {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * output_len}},
+            "required": ["text"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_checkpoint_args(ap)
+    ap.add_argument("--batch-sizes", default="1,64")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/cpu/structured_outputs_cpu.json")
+    args = ap.parse_args()
+    meta = metadata(args.device)
+    if args.config == "builtin":
+        model = str(DEFAULT_MODEL_DIR)
+        cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()).get("text_config")
+    else:
+        model = tempfile.mkdtemp(prefix="bench_structured_")
+        hf, cfg = build_checkpoint(args, Path(model))
+        del hf
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, seed=args.seed, max_num_seqs=max(sizes),
+              max_model_len=args.prompt_len + args.output_len + 8, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(args.seed)
+    # Neither kind can stop early: ignore_eos holds the plain ones (which keep the fastest path, the argmax in the
+    # decode graph), minLength the constrained ones.
+    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    json_params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                                 structured_outputs={"json": schema(args.output_len)})
+    rows = []
+    for batch in sizes:
+        prompts = [{"prompt_token_ids": torch.randint(5, cfg["vocab_size"], (args.prompt_len,),
+                                                      generator=gen).tolist()} for _ in range(batch)]
+        times: dict[str, list[float]] = {"plain": [], "json": []}
+        tokens = {}
+        for i in range(args.repeats + 1):
+            for name, params in (("plain", plain), ("json", json_params)):
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                if name == "json":
+                    assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].text.startswith('{')
+                               for o in outs), [o.outputs[0].text[:40] for o in outs[:2]]
+                tokens[name] = n
+                if i:  # the first round warms up (and compiles the grammar)
+                    times[name].append(n / elapsed)
+        row = {"batch_size": batch, "tokens": tokens, **{f"{k}_tok_s": stats(v) for k, v in times.items()}}
+        row["json_over_plain"] = row["json_tok_s"]["median"] / row["plain_tok_s"]["median"]
+        rows.append(row)
+        print(f"batch {batch:>3}: plain {row['plain_tok_s']['median']:9.1f} tok/s, JSON schema "
+              f"{row['json_tok_s']['median']:9.1f} tok/s: {row['json_over_plain']:.3f}x", flush=True)
+    path = write_json(args.out, {**meta, "benchmark": "structured_outputs",
+                                 "config": {**vars(args), "model_config": cfg}, "results": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
