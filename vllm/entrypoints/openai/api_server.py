@@ -24,7 +24,9 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
+from vllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.request_body import parse_body, read_body, validate_body
 from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
@@ -95,6 +97,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     metrics = Metrics(engine, settings.served_model_names[0], settings.show_hidden_metrics)
     completion = OpenAIServingCompletion(engine, settings, metrics)
     chat = OpenAIServingChat(engine, settings, metrics)
+    responses = OpenAIServingResponses(chat)
     limit = settings.max_body_bytes
     mc = engine.config.model_config
 
@@ -180,6 +183,14 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await chat.create(await parse_body(request, ChatCompletionRequest, limit), request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(await parse_body(request, ResponsesRequest, limit), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

@@ -6,7 +6,9 @@ import dataclasses
 import functools
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import Request
@@ -31,6 +33,14 @@ ROLE = "assistant"  # the role of every answer
 # so that a client's parsed model and the raw JSON hold the same keys.
 EMPTY_MESSAGE_FIELDS = {"refusal": None, "annotations": None, "audio": None, "function_call": None, "tool_calls": []}
 PROMPT_TAIL_TOKENS = 16  # of the prompt, decoded to see whether it opens the answer's thinking
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request started: its (request id, RequestOutput) stream and each choice's parser."""
+    outputs: AsyncIterator
+    parsers: list[ChoiceParser]
+    beam: bool  # beam search: every choice comes at once, at the end
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -62,7 +72,10 @@ class OpenAIServingChat(OpenAIServing):
                         from_request=bool(req.chat_template))
         return await self.renderer.render(job)
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def prepare(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Checks the request, renders its prompt and starts generating: the outputs and each choice's parser (the
+        Responses API, serving_responses.py, answers from the same). Bad input raises APIError before anything
+        runs."""
         self.check_model(req.model)
         self.check_logprobs("top_logprobs", req.top_logprobs if req.logprobs else None)
         self.check_logprobs("prompt_logprobs", req.prompt_logprobs)
@@ -101,14 +114,19 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [ChoiceParser(tools, parse_tools, prompt_text, prefix,
                                 ConstrainedCalls(mode, name) if constraint is not None else None)
                    for _ in range(req.n)]
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.log_request(request_id, ids, params)
-        base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         prompts = [{"prompt_token_ids": ids}]
         # Beam search answers once, with every beam (best first) as a choice; streamed, as one delta each.
         outputs = self.beam_search(prompts, beam, request_id, params.logprobs, params.prompt_logprobs) \
             if beam is not None else self.generate(prompts, params, request_id)
-        if req.stream and beam is not None:  # the beams come at the search's end: a disconnect before then aborts it
+        return ChatRun(outputs, parsers, beam is not None)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        run = await self.prepare(req, request_id)
+        base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        outputs, parsers = run.outputs, run.parsers
+        if req.stream and run.beam:  # the beams come at the search's end: a disconnect before then aborts it
             return await stream_when_started(raw, outputs, lambda outs: self.stream(req, outs, base, parsers),
                                              self.stall_limit)
         if req.stream:  # bad input raises before the response starts
