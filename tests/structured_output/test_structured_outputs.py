@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -179,3 +180,26 @@ def test_a_grammar_failing_in_the_engine_fails_its_request_alone(llms, monkeypat
     assert outs[1].outputs[0].text.isdigit() and outs[2].outputs[0].finish_reason == "length"
     assert not llm.llm_engine.has_unfinished_requests()
     llm.llm_engine.kv_cache_manager.assert_all_free()
+
+
+def test_a_slow_compile_holds_up_only_its_own_request(llms, monkeypatch):
+    """The request waits in the queue while its grammar compiles; the request behind it runs to its end."""
+    llm = llms["async"]
+    release, real = threading.Event(), StructuredOutputManager._compile
+
+    def slow(self, params):
+        assert release.wait(30)
+        return real(self, params)
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow)
+    engine = llm.llm_engine
+    engine.add_request("slow", "x", constrained({"regex": "[0-9]{4}"}))
+    engine.add_request("plain", "y", SamplingParams(temperature=0.0, max_tokens=4))
+    finished = {}
+    while "plain" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.requests["slow"].status.value == "waiting"
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert re.fullmatch("[0-9]{4}", finished["slow"].outputs[0].text)
+    engine.kv_cache_manager.assert_all_free()

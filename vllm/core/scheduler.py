@@ -116,9 +116,13 @@ class Scheduler:
                 budget -= n + len(drafts)
                 i += 1
         # New work only when nothing was preempted: admitting now would just evict it again.
+        compiling = []  # structured-output requests whose grammar is still compiling wait, keeping their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted_ids:
             req = self.waiting[0]
+            if req.structured_output is not None and not req.structured_output.ready:
+                compiling.append(self.waiting.popleft())
+                continue
             if req.num_output_placeholders:  # preempted with a token still in flight: its prefill needs it
                 break
             hit = self.kv.lookup(req) if self.kv.prefix_caching else None
@@ -143,6 +147,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n, []))
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         out.scheduled = [self._scheduled(req, n, drafts) for req, n, drafts in scheduled]
         if self.snapshots.enabled:
             self.snapshots.plan_saves(out)

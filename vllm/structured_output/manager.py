@@ -33,9 +33,14 @@ class StructuredOutputRequest:
         self.future, self._matcher, self.num_accepted = future, None, 0
 
     @property
+    def ready(self) -> bool:
+        """The compile finished (or failed): the scheduler admits the request only then."""
+        return self.future.done()
+
+    @property
     def matcher(self):
-        """The grammar's matcher (waits for the compile, which usually finished during the prompt's steps);
-        raises ValueError when the grammar failed to compile."""
+        """The grammar's matcher (the scheduler admitted the request once its compile was done); raises ValueError
+        when the grammar failed to compile."""
         if self._matcher is None:
             import xgrammar as xgr
             try:
