@@ -1,5 +1,6 @@
-"""IncrementalDetokenizer against full decodes of the shipped byte-level BPE tokenizer, on both of its paths: the
-byte table (what that tokenizer gets) and the decode window (what any other tokenizer gets)."""
+"""IncrementalDetokenizer against full decodes of the shipped byte-level BPE tokenizer, on its three paths: the
+byte table (what that tokenizer gets), tokenizers' DecodeStream (what other fast tokenizers get) and the decode
+window (tokenizers without a Rust backend)."""
 from __future__ import annotations
 
 import random
@@ -21,10 +22,12 @@ def tok():
     return get_tokenizer(TINY_TOKENIZER_DIR)
 
 
-@pytest.fixture(autouse=True, params=["byte_table", "window"])
+@pytest.fixture(autouse=True, params=["byte_table", "decode_stream", "window"])
 def path(request, monkeypatch):
-    if request.param == "window":
+    if request.param != "byte_table":
         monkeypatch.setattr(detokenizer_module, "byte_level_pieces", lambda tokenizer, skip: None)
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", None)
     return request.param
 
 
@@ -299,3 +302,23 @@ def test_text_stays_right_over_long_runs_of_silent_ids(tok):
         det.update([0])  # <pad>, skipped
     det.update(enc(tok, "ok é"))
     assert det.output_text == "ok é"
+
+
+def test_metaspace_tokenizer_streams_as_the_window_decodes(path):
+    """A SentencePiece-style tokenizer (Metaspace: the text of a token depends on its neighbour), on the
+    DecodeStream and window paths: the same text, token by token, after the same prompt context."""
+    if path == "byte_table":
+        pytest.skip("a Metaspace tokenizer has no byte table")
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator([MULTIBYTE + " the quick brown fox jumps over the lazy dog"] * 20, vocab_size=120,
+                           min_frequency=1)
+    mtok = PreTrainedTokenizerFast(tokenizer_object=sp._tokenizer)
+    ids = enc(mtok, "the lazy " + MULTIBYTE + " fox")
+    det = IncrementalDetokenizer(mtok, ids[:4], SamplingParams())
+    assert (det._stream is not None) == (path == "decode_stream")
+    for t in ids[4:]:
+        det.update([t])
+    full, context = mtok.decode(ids), mtok.decode(ids[:4])
+    assert det.output_text == full[len(context):]

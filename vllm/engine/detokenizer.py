@@ -10,6 +10,10 @@ lookup per token. The window's decode call costs ~1 us plus its length, and the 
 ids decode to no text (ids past the tokenizer's vocabulary, skipped special tokens): 64 streams of such ids
 spent ~1 ms of host time per step in it.
 
+Other fast tokenizers (SentencePiece-style Metaspace, WordPiece) step a `tokenizers.decoders.DecodeStream` primed
+with the prompt's last tokens: the Rust library's own incremental decoder, one call per token, holding back an
+incomplete character itself. Tokenizers without a Rust backend (remote-code ones over tiktoken) use the window.
+
 A request that nobody reads mid-way (FINAL_ONLY, as LLM.generate asks) and that has no stop string needs no
 text until it finishes: its ids are only collected, and the text is one decode when it is read. At 256 running
 requests that was most of the output processor's host time per step.
@@ -17,6 +21,11 @@ requests that was most of the output processor's host time per step.
 from __future__ import annotations
 
 import codecs
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.transformers_utils.tokenizer import byte_level_pieces, decoder_for
@@ -54,6 +63,7 @@ class IncrementalDetokenizer:
         self._stale = False
         self._generated_from = 0
         self._pieces: tuple[bytes, ...] | None = None
+        self._stream = None  # a DecodeStream, where the tokenizer has a Rust backend (module docstring)
         if not params.detokenize:
             return
         if not self._lazy:
@@ -72,6 +82,10 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._read_chars = len(context_text)
         self._generated_from = len(context)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if DecodeStream is not None and backend is not None and not self._lazy:
+            self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+            self._backend, self._vocab = backend, backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def output_text(self) -> str:
@@ -131,6 +145,9 @@ class IncrementalDetokenizer:
             return None
         if self._pieces is not None:
             new = self._bytes_new(new_token_ids)
+        elif self._stream is not None:  # ids past the tokenizer's vocabulary decode to nothing, as in a decode
+            step, backend, n = self._stream.step, self._backend, self._vocab
+            new = "".join([piece for t in new_token_ids if 0 <= t < n and (piece := step(backend, t)) is not None])
         else:
             self._ids.extend(new_token_ids)
             if self._lazy:
