@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 from vllm.attention.backend import HybridBackends
 from vllm.attention.selector import reference_backends
 from vllm.config import LOAD_FORMATS
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.model_executor.dummy_loader import initialize_dummy_weights
 from vllm.model_executor.models.kimi_k3.model import FP32_PARAM_SUFFIXES, KimiK3ForCausalLM
+from vllm.model_executor.tp_shard import check_divisible, rank_slice, split_dim, split_whole
 from vllm.transformers_utils.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, MissingTensorError,
                                                        TensorShapeError, UnexpectedTensorError)
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
@@ -139,11 +141,18 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, part in iter_checkpoint_slices(files):
+        yield name, part[...]
+
+
+def iter_checkpoint_slices(files: list[Path]) -> Iterator[tuple[str, object]]:
+    """(name, safetensors slice) of every tensor: `slice.get_shape()` costs nothing, `slice[index]` reads only
+    what the index selects."""
     for path in tqdm(files, desc="Loading safetensors shards"):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -194,20 +203,27 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     ignored = 0
-    for ckpt_name, tensor in iter_checkpoint(weight_files(Path(model_dir))):
+    tp = get_tp_group()
+    for ckpt_name, part in iter_checkpoint_slices(weight_files(Path(model_dir))):
         name = map_name(ckpt_name, config)
         if name is None:
             ignored += 1
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some writers store the tied head too
+        shape = part.get_shape()
         if name not in params:
             # transformers writes 0-width shared experts for n_shared_experts=0; they hold nothing.
-            if not (tensor.numel() == 0 and ".shared_experts." in name):
+            if not (0 in shape and ".shared_experts." in name):
                 unexpected.append(ckpt_name)
             continue
         param = params[name]
-        param.data.copy_(fit_shape(ckpt_name, tensor, param.shape))
+        dim = split_dim(ckpt_name, param.shape, shape, tp.world_size)
+        if dim is None:
+            tensor = split_whole(ckpt_name, part[...], param.shape, tp.rank, tp.world_size, fit_shape)
+        else:
+            tensor = part[rank_slice(shape, dim, tp.rank, tp.world_size)]
+        param.data.copy_(tensor)
         loaded.add(name)
     if ignored:
         logger.info("ignored %d vision tensors (this engine serves the text model only)", ignored)
@@ -231,6 +247,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         raise ValueError(f"load_format={load_format!r} is not supported; expected one of {', '.join(LOAD_FORMATS)}")
     raw = read_config_json(model_dir)
     config = config or load_config(model_dir, raw)
+    check_divisible(config, get_tp_group().world_size)
     model = build_model(config, resolve_dtype(dtype, raw), device, backends or reference_backends())
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)

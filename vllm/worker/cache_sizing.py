@@ -17,6 +17,7 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.attention.kda.recover import record_bytes
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ def per_unit_bytes(config: VllmConfig) -> tuple[int, int]:
     spec = config.speculative_config
     if spec is not None and spec.draft_config is not None:  # DSpark's context caches share the MLA blocks
         block += spec.draft_config.num_hidden_layers * cc.block_size * spec.draft_config.mla_cache_dim * act
-    conv_h, conv_w = hf.kda_conv_state_shape()
-    H, V, K = hf.kda_ssm_state_shape()
+    tp = get_tensor_model_parallel_world_size()  # a rank holds its own heads' states
+    conv_h, conv_w = hf.kda_conv_state_shape(tp_size=tp)
+    H, V, K = hf.kda_ssm_state_shape(tp)
     slot = len(hf.kda_layers) * (conv_h * conv_w * act + H * V * K * state)
     return block, slot
 
@@ -55,8 +57,10 @@ def per_request_record_bytes(config: VllmConfig, record_len: int | None = None) 
     Q = config.recover_record_len if record_len is None else record_len
     if not Q or not hf.kda_layers:
         return 0
-    H, _, K = hf.kda_ssm_state_shape()
-    return len(hf.kda_layers) * record_bytes(H, K, hf.kda_conv_state_shape()[0], Q, config.model_config.dtype)
+    tp = get_tensor_model_parallel_world_size()
+    H, _, K = hf.kda_ssm_state_shape(tp)
+    return len(hf.kda_layers) * record_bytes(H, K, hf.kda_conv_state_shape(tp_size=tp)[0], Q,
+                                             config.model_config.dtype)
 
 
 def speculating_state_bytes(config: VllmConfig) -> tuple[int, int]:

@@ -197,13 +197,15 @@ class KimiK3TextConfig:
         assert self.attn_res_block_size is not None
         return -(-self.num_hidden_layers // self.attn_res_block_size)
 
-    def kda_ssm_state_shape(self) -> tuple[int, int, int]:
-        """Per-slot recurrent state [H, V, K] (the engine's layout; HF and fla keep [H, K, V])."""
-        return (self.kda_num_heads, self.kda_head_dim, self.kda_head_dim)
+    def kda_ssm_state_shape(self, tp_size: int = 1) -> tuple[int, int, int]:
+        """Per-slot recurrent state [H, V, K] (the engine's layout; HF and fla keep [H, K, V]) of one of `tp_size`
+        tensor-parallel ranks (each holds its heads' states)."""
+        return (self.kda_num_heads // tp_size, self.kda_head_dim, self.kda_head_dim)
 
-    def kda_conv_state_shape(self, num_spec: int = 0) -> tuple[int, int]:
-        """Per-slot conv state: the last W-1 (+num_spec) pre-conv inputs of the 3P q/k/v channels."""
-        return (3 * self.kda_proj_dim, self.conv_kernel_size - 1 + num_spec)
+    def kda_conv_state_shape(self, num_spec: int = 0, tp_size: int = 1) -> tuple[int, int]:
+        """Per-slot conv state: the last W-1 (+num_spec) pre-conv inputs of the 3P q/k/v channels (a rank's
+        share of them under tensor parallelism)."""
+        return (3 * self.kda_proj_dim // tp_size, self.conv_kernel_size - 1 + num_spec)
 
     # ---- parsing --------------------------------------------------------------------------------
     @classmethod

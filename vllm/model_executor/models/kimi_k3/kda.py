@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNormGated
 from vllm.model_executor.layers.linear import merge_linear_weights
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
@@ -22,7 +24,10 @@ class ShortConvWeight(nn.Module):
 class KimiDeltaAttention(nn.Module):
     def __init__(self, config: KimiK3TextConfig, layer_idx: int, backend: Any) -> None:
         super().__init__()
-        D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        # Split by head over the tensor-parallel ranks: each holds H/N heads' projections, conv channels, gates
+        # and states; the low-rank f_a/g_a are replicated; o_proj's partial sums are all-reduced.
+        D, H, K = config.hidden_size, config.kda_num_heads // get_tensor_model_parallel_world_size(), \
+            config.kda_head_dim
         P = H * K
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
         self.gate_lower_bound = config.gate_lower_bound
@@ -78,7 +83,7 @@ class KimiDeltaAttention(nn.Module):
         return self.backend.forward(self, *inputs, self.conv_state, self.ssm_state, attn_metadata, self.records)
 
     def output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(y)
+        return tensor_model_parallel_all_reduce(self.o_proj(y))
 
     def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         return self.output(self.attend(self.project(x), attn_metadata), x)

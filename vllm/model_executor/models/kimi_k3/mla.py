@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
@@ -13,7 +15,9 @@ from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 class KimiMLAAttention(nn.Module):
     def __init__(self, config: KimiK3TextConfig, layer_idx: int, backend: Any) -> None:
         super().__init__()
-        D, H = config.hidden_size, config.num_attention_heads
+        # Split by head over the tensor-parallel ranks (q, kv_b, gate, o_proj); the latent projection and its
+        # norm are replicated, so every rank keeps the whole latent cache.
+        D, H = config.hidden_size, config.num_attention_heads // get_tensor_model_parallel_world_size()
         self.layer_idx, self.num_heads = layer_idx, H
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim, self.qk_head_dim = config.qk_nope_head_dim, config.qk_head_dim
@@ -55,7 +59,7 @@ class KimiMLAAttention(nn.Module):
         if hasattr(self, "g_proj"):
             # The K3 gate reads the mixer's input, not the attention output.
             o = o * torch.sigmoid(self.g_proj(x).float()).unflatten(-1, (self.num_heads, -1)).to(o.dtype)
-        return self.o_proj(o.flatten(-2))
+        return tensor_model_parallel_all_reduce(self.o_proj(o.flatten(-2)))
 
     def forward(self, x: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         return self.output(self.attend(self.project(x), attn_metadata), x)

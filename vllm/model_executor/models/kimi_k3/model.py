@@ -13,7 +13,9 @@ from torch import nn
 
 from vllm.attention.backend import HybridAttentionMetadata, HybridBackends
 from vllm.attention.kda.recover import KDARecords, allocate_records
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_parallel_logits
 from vllm.model_executor.models.kimi_k3.attn_res import attn_res_mix, attn_res_stack
 from vllm.model_executor.models.kimi_k3.kda import KimiDeltaAttention
 from vllm.model_executor.models.kimi_k3.mla import KimiMLAAttention
@@ -61,16 +63,17 @@ def allocate_layer_caches(config: KimiK3TextConfig, num_blocks: int, block_size:
     """
     kda = None
     num_kda = len(config.kda_layers)
+    tp = get_tensor_model_parallel_world_size()  # each rank holds its own heads' states
     if num_kda:
-        channels, history = config.kda_conv_state_shape()
+        channels, history = config.kda_conv_state_shape(tp_size=tp)
         conv = (torch.zeros(num_kda, num_slots, history, channels, dtype=dtype, device=device).transpose(2, 3)
                 if conv_history_major else
                 torch.zeros(num_kda, num_slots, channels, history, dtype=dtype, device=device))
-        H, _, K = config.kda_ssm_state_shape()
+        H, _, K = config.kda_ssm_state_shape(tp)
         records = allocate_records(num_kda, num_slots if record_slots is None else record_slots, H, K, channels,
                                    record_len, dtype, device) if record_len else None
-        kda = KDAStatePools(conv, torch.zeros(num_kda, num_slots, *config.kda_ssm_state_shape(), dtype=state_dtype,
-                                              device=device), records)
+        kda = KDAStatePools(conv, torch.zeros(num_kda, num_slots, *config.kda_ssm_state_shape(tp),
+                                              dtype=state_dtype, device=device), records)
     caches, i = [], 0
     for layer in range(config.num_hidden_layers):
         if config.is_kda_layer(layer):
@@ -115,7 +118,7 @@ class KimiK3Model(nn.Module):
         super().__init__()
         self.config = config
         D = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, D)
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i, backends) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(D, eps=config.rms_norm_eps)
         if config.attn_res_block_size is not None:
@@ -196,7 +199,9 @@ class KimiK3ForCausalLM(nn.Module):
         self.backends = backends
         self.model = KimiK3Model(config, backends)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # ParallelLMHead: this rank's vocabulary rows (vocab_parallel_embedding.py)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // get_tensor_model_parallel_world_size(),
+                                     bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: HybridAttentionMetadata) -> torch.Tensor:
@@ -207,7 +212,7 @@ class KimiK3ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the hidden rows given (only the rows that sample)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return (self.model.norm(hidden_states) @ weight.t()).float()
+        return vocab_parallel_logits(self.model.norm(hidden_states), weight)
 
     def bind_caches(self, caches: LayerCaches | list[KimiLayerCache]) -> None:
         """Point every layer at its cache views (owned by the engine's cache manager)."""

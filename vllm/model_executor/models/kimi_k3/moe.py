@@ -6,6 +6,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported, grouped_topk
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -26,8 +28,14 @@ def capturing_graph(x: torch.Tensor) -> bool:
 
 
 class KimiMLP(nn.Module):
-    def __init__(self, config: KimiK3TextConfig, in_size: int, intermediate_size: int) -> None:
+    """Gate/up split by intermediate column over the tensor-parallel ranks, down_proj by row: each rank's output
+    is a partial sum, all-reduced here unless `reduce_results` is off (the MoE adds it to its experts' first)."""
+
+    def __init__(self, config: KimiK3TextConfig, in_size: int, intermediate_size: int,
+                 reduce_results: bool = True) -> None:
         super().__init__()
+        intermediate_size //= get_tensor_model_parallel_world_size()
+        self.reduce_results = reduce_results
         self.gate_proj = nn.Linear(in_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(in_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, in_size, bias=False)
@@ -42,7 +50,8 @@ class KimiMLP(nn.Module):
         if self.gate_up_weight is None:
             raise RuntimeError("KimiMLP.process_weights_after_loading() must merge gate_proj and up_proj first")
         gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate, up))
+        out = self.down_proj(self.act(gate, up))
+        return tensor_model_parallel_all_reduce(out) if self.reduce_results else out
 
 
 class KimiExpert(nn.Module):
@@ -50,9 +59,10 @@ class KimiExpert(nn.Module):
 
     def __init__(self, config: KimiK3TextConfig, in_size: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(in_size, config.moe_intermediate_size, bias=False)
-        self.w3 = nn.Linear(in_size, config.moe_intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.moe_intermediate_size, in_size, bias=False)
+        inter = config.moe_intermediate_size // get_tensor_model_parallel_world_size()  # split as KimiMLP's
+        self.w1 = nn.Linear(in_size, inter, bias=False)
+        self.w3 = nn.Linear(in_size, inter, bias=False)
+        self.w2 = nn.Linear(inter, in_size, bias=False)
         self.act = gated_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +120,10 @@ class KimiMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(R, eps=config.rms_norm_eps)
         if config.num_shared_experts:
-            self.shared_experts = KimiMLP(config, D, config.moe_intermediate_size * config.num_shared_experts)
+            # Its partial sum joins the experts' before their one all-reduce (latent MoE: reduced on its own,
+            # since the experts' sum is normed in the latent space first).
+            self.shared_experts = KimiMLP(config, D, config.moe_intermediate_size * config.num_shared_experts,
+                                          reduce_results=R is not None)
         self.activation = MoEActivation(config.hidden_act, config.activation_situ_beta,
                                         config.activation_situ_linear_beta)
 
@@ -126,12 +139,13 @@ class KimiMoE(nn.Module):
             y = self._routed_by_expert(u, weights, ids)
         y = y.to(x.dtype)
         if latent:
+            y = tensor_model_parallel_all_reduce(y)
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
-        return y
+        return y if latent else tensor_model_parallel_all_reduce(y)
 
     def _routed_by_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens that chose it, one expert at a time: the torch reference, and the CPU path.

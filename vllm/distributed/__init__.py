@@ -1,0 +1,2 @@
+"""Tensor and expert parallelism on torch.distributed: the groups (parallel_state.py) and the collectives the
+model calls (communication_op.py)."""
