@@ -1,4 +1,5 @@
-"""The model split over 2 tensor-parallel ranks (gloo, CPU processes) against the same model on one: logits of a
+"""The model split over 2 tensor-parallel ranks (gloo, CPU processes), its MoE layers split by expert width or
+(expert parallelism) by expert, against the same model on one: logits of a
 whole prompt, and greedy continuations of a batch with chunked prompts, on the built-in model (K3's features:
 latent MoE, block AttnRes, MLA output gate) and a Kimi-Linear-shaped tiny checkpoint. Each rank reads its own
 slices of the checkpoint."""
@@ -32,10 +33,11 @@ def _run(model_dir: str) -> tuple[torch.Tensor, list[list[int]], float]:
     return logits, runner.generate_greedy(PROMPTS, max_tokens=12, prefill_chunk=16), share
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, out) -> None:
+def _rank(rank: int, world: int, port: int, model_dir: str, out, expert_parallel: bool) -> None:
     from vllm.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
     torch.set_num_threads(1)
-    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60)
+    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", torch.device("cpu"), timeout_s=60,
+                                 expert_parallel=expert_parallel)
     try:
         logits, tokens, share = _run(model_dir)
         result = (logits.numpy(), tokens, share)  # by value: a tensor would go through shared memory, gone once we exit
@@ -47,11 +49,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out) -> None:
         out.put(result)
 
 
-def run_ranks(model_dir: str, world: int = 2):
+def run_ranks(model_dir: str, expert_parallel: bool, world: int = 2):
     """Rank 0's (logits, tokens) from `world` spawned ranks."""
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), _port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dir, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, model_dir, out, expert_parallel)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -74,11 +76,12 @@ def kimi_linear_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "tp_ep"])
 @pytest.mark.parametrize("which", ["builtin", "kimi_linear"])
-def test_two_ranks_equal_one(which, kimi_linear_dir):
+def test_two_ranks_equal_one(which, expert_parallel, kimi_linear_dir):
     model_dir = str(DEFAULT_MODEL_DIR) if which == "builtin" else kimi_linear_dir
     want_logits, want_tokens, _ = _run(model_dir)
-    logits, tokens, share = run_ranks(model_dir)
+    logits, tokens, share = run_ranks(model_dir, expert_parallel)
     assert share == 0.5  # rank 0 held half the vocabulary (and half the heads): the model really was split
     assert tokens == want_tokens
     torch.testing.assert_close(torch.from_numpy(logits), want_logits, atol=2e-4, rtol=1e-4)

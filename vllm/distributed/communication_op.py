@@ -34,5 +34,5 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     if tp.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=tp.group)
+    dist.broadcast_object_list(box, src=src, group=tp.cpu_group)
     return box[0]

@@ -16,6 +16,9 @@ class GroupCoordinator:
     world_size: int = 1
     group: object | None = None  # the torch.distributed ProcessGroup; None for a group of one
     backend: str = ""
+    # MoE layers hold whole experts per rank (expert parallelism over the same ranks) instead of a slice of each.
+    expert_parallel: bool = False
+    cpu_group: object | None = None  # gloo, for host objects (the step's inputs); the same group on CPU
 
     @property
     def is_first_rank(self) -> bool:
@@ -42,12 +45,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed_environment(world_size: int, rank: int, init_method: str, device: torch.device,
-                                 timeout_s: float = 600.0) -> GroupCoordinator:
+                                 timeout_s: float = 600.0, expert_parallel: bool = False) -> GroupCoordinator:
     """Joins the world of `world_size` processes through torch.distributed's rendezvous at `init_method`
     (tcp://host:port), all of them one tensor-parallel group. Each collective waits at most `timeout_s`."""
     global _TP
     if world_size == 1:
-        _TP = GroupCoordinator()
+        _TP = GroupCoordinator(expert_parallel=expert_parallel)
         return _TP
     backend = backend_for(device)
     if device.type == "cuda":
@@ -56,7 +59,9 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
         dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    _TP = GroupCoordinator(rank, world_size, dist.group.WORLD, backend)
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                          timeout=timedelta(seconds=timeout_s))
+    _TP = GroupCoordinator(rank, world_size, dist.group.WORLD, backend, expert_parallel, cpu_group)
     return _TP
 
 

@@ -63,16 +63,14 @@ def json_text(text: str) -> str:
     return text
 
 
-_ONE_DEVICE = "it runs on one device; use a single GPU"
+_ONE_DEVICE = "split a model over GPUs with --tensor-parallel-size"
 ENGINE_ARGS = {a.name: a for a in [
-    UpstreamArg("tensor_parallel_size", UNSUPPORTED, "tensor parallelism is not built yet; " + _ONE_DEVICE,
-                ("-tp",), int, _one),
     UpstreamArg("pipeline_parallel_size", UNSUPPORTED, "pipeline parallelism is not built; " + _ONE_DEVICE,
                 ("-pp",), int, _one),
     UpstreamArg("data_parallel_size", UNSUPPORTED, "data parallelism is not built; run one server per GPU",
                 ("-dp",), int, _one),
-    UpstreamArg("enable_expert_parallel", IGNORED, "on one device every expert is local", ("-ep",), None),
-    UpstreamArg("distributed_executor_backend", IGNORED, "there is one worker, in the engine's process"),
+    UpstreamArg("distributed_executor_backend", IGNORED, "ranks always run as local processes (mp)", (), str,
+                _is("mp")),
     UpstreamArg("enable_chunked_prefill", IGNORED, "chunked prefill is always on (--max-num-batched-tokens sets "
                 "the chunk)", (), None, _is(True)),
     UpstreamArg("max_logprobs", IGNORED, "the limit is fixed at 20 logprobs per token", (), int, _is(20)),

@@ -14,9 +14,10 @@ import torch
 from vllm.assets import DEFAULT_MODEL_DIR
 from vllm.engine.arg_compat import ENGINE_ARGS, add_upstream_args, check_upstream_args, json_text
 from vllm.config import (KDA_DECODE_BACKENDS, KDA_PREFILL_BACKENDS, LOAD_FORMATS, MLA_BACKENDS, STATE_DTYPES,
-                         CacheConfig, CompilationConfig, KernelConfig, ModelConfig, SchedulerConfig,
-                         SpeculativeConfig, VllmConfig)
+                         CacheConfig, CompilationConfig, KernelConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig, VllmConfig)
 from vllm.model_executor.model_loader import load_config, read_config_json, resolve_dtype
+from vllm.model_executor.tp_shard import check_divisible
 from vllm.transformers_utils.generation_config import log_defaults, read_generation_config
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")  # half, float: upstream's aliases
@@ -58,6 +59,13 @@ class EngineArgs:
     trust_remote_code: bool = False
     generation_config: str | os.PathLike = "auto"  # auto: the model's generation_config.json; vllm: none; or a dir
     load_format: str = "auto"  # auto/safetensors: the checkpoint; dummy: random weights from config.json
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    headless: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -128,6 +136,17 @@ class EngineArgs:
         g.add_argument("--compilation-config", "-O", default=None, type=json_text,
                        help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", '
                             '"cudagraph_capture_sizes": [1, 2, 4]}\'')
+        p = parser.add_argument_group("parallelism (docs/parallelism.md)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="ranks the model is split over (one process each; heads, widths and vocabulary split)")
+        p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                       help="MoE layers: each rank holds whole experts instead of a slice of every expert")
+        p.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the ranks run on")
+        p.add_argument("--node-rank", type=int, default=d.node_rank, help="this host's index (0 runs the engine)")
+        p.add_argument("--master-addr", default=d.master_addr, help="node 0's address for the rendezvous")
+        p.add_argument("--master-port", type=int, default=d.master_port,
+                       help="node 0's rendezvous port (default on one node: a free one)")
+        p.add_argument("--headless", action="store_true", help="run this node's worker ranks only (node rank > 0)")
         add_upstream_args(g, ENGINE_ARGS)  # hidden from --help: see vllm/engine/arg_compat.py
         return parser
 
@@ -191,7 +210,21 @@ class EngineArgs:
             kernel_config=KernelConfig(self.attention_backend, self.kda_prefill_backend, self.kda_decode_backend),
             compilation_config=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
             speculative_config=spec,
+            parallel_config=self._parallel(hf_config, spec),
         )
+
+    def _parallel(self, hf_config, spec: SpeculativeConfig | None) -> ParallelConfig:
+        parallel = ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel, self.nnodes,
+                                  self.node_rank, self.master_addr, self.master_port, self.headless)
+        tp = parallel.tensor_parallel_size
+        check_divisible(hf_config, tp, parallel.enable_expert_parallel)
+        if tp > 1 and spec is not None and (spec.method != "ngram" or spec.enable_adaptive_verification):
+            # Every rank runs the same schedule (vllm/executor): a draft model's vocabulary-split embedding and
+            # adaptive verification's measured step times are not built to agree across ranks yet.
+            raise ValueError(f"--tensor-parallel-size {tp} runs with ngram speculation only for now; "
+                             f"{spec.method} drafts{' with adaptive verification' if spec.enable_adaptive_verification else ''}"
+                             " under tensor parallelism are not built")
+        return parallel
 
     def _async_scheduling(self, device: torch.device, spec: SpeculativeConfig | None) -> bool:
         ngram = spec is not None and spec.method == "ngram"

@@ -209,6 +209,9 @@ def load_weights(model: KimiK3ForCausalLM, model_dir: str | Path) -> None:
         if name is None:
             ignored += 1
             continue
+        name = model.local_param_name(name)
+        if name is None:
+            continue  # an expert another rank holds (expert parallelism)
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some writers store the tied head too
         shape = part.get_shape()

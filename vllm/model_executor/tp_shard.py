@@ -37,15 +37,20 @@ def split_whole(name: str, tensor: torch.Tensor, local: torch.Size, rank: int, w
     return whole[rank * local[0]:(rank + 1) * local[0]]
 
 
-def check_divisible(config, world_size: int) -> None:
+def check_divisible(config, world_size: int, expert_parallel: bool = False) -> None:
     """Raises ValueError naming each size of the model that the tensor-parallel size does not divide."""
     if world_size == 1:
         return
+    # Expert parallelism: whole experts per rank, the shared experts still split by width.
+    moe = ({"num_experts": config.num_experts} if expert_parallel else
+           {"moe_intermediate_size": config.moe_intermediate_size})
+    if expert_parallel and config.num_shared_experts:
+        moe["shared experts' intermediate width"] = config.moe_intermediate_size * config.num_shared_experts
     sizes = {"kda_num_heads": config.kda_num_heads if config.kda_layers else world_size,
              "num_attention_heads": config.num_attention_heads if config.mla_layers else world_size,
-             "intermediate_size": config.intermediate_size, "moe_intermediate_size": config.moe_intermediate_size,
-             "vocab_size": config.vocab_size}
+             "intermediate_size": config.intermediate_size, **moe, "vocab_size": config.vocab_size}
     bad = [f"{name}={value}" for name, value in sizes.items() if value % world_size]
     if bad:
         raise ValueError(f"--tensor-parallel-size {world_size} must divide the model's {', '.join(bad)}: each rank "
-                         "holds an equal share of the heads, widths and vocabulary")
+                         "holds an equal share of the heads, widths"
+                         f"{', experts' if expert_parallel else ''} and vocabulary")

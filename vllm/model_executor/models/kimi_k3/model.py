@@ -6,6 +6,7 @@ pools bound with `bind_caches`. Logits are computed only for the rows the caller
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from vllm.model_executor.models.kimi_k3.mla import KimiMLAAttention
 from vllm.model_executor.models.kimi_k3.moe import KimiMLP, KimiMoE
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
+_EXPERT_PARAM = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts\.)(\d+)(\..*)$")
 # Parameters kept in float32 whatever the model dtype: the gate and router math is done in float32.
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "_conv1d.weight", "gate.weight", "gate.e_score_correction_bias")
 
@@ -213,6 +215,18 @@ class KimiK3ForCausalLM(nn.Module):
         """Float32 logits [N, vocab] for the hidden rows given (only the rows that sample)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return vocab_parallel_logits(self.model.norm(hidden_states), weight)
+
+    def local_param_name(self, name: str) -> str | None:
+        """A checkpoint parameter's name on this rank: under expert parallelism a routed expert is renumbered
+        among this rank's experts, or None when another rank holds it; any other name is itself."""
+        m = _EXPERT_PARAM.match(name)
+        if m is None:
+            return name
+        moe = self.model.layers[int(m.group(2))].block_sparse_moe
+        if moe.local_experts is None:
+            return name
+        e = int(m.group(3)) - moe.expert_start
+        return f"{m.group(1)}{e}{m.group(4)}" if 0 <= e < moe.local_experts else None
 
     def bind_caches(self, caches: LayerCaches | list[KimiLayerCache]) -> None:
         """Point every layer at its cache views (owned by the engine's cache manager)."""

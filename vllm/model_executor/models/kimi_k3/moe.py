@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
-from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.activation import silu_and_mul, situ_and_mul
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, fused_moe_unsupported, grouped_topk
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -59,7 +59,9 @@ class KimiExpert(nn.Module):
 
     def __init__(self, config: KimiK3TextConfig, in_size: int) -> None:
         super().__init__()
-        inter = config.moe_intermediate_size // get_tensor_model_parallel_world_size()  # split as KimiMLP's
+        tp = get_tp_group()
+        # Split as KimiMLP's, or whole under expert parallelism (each rank then holds some of the experts).
+        inter = config.moe_intermediate_size // (1 if tp.expert_parallel else tp.world_size)
         self.w1 = nn.Linear(in_size, inter, bias=False)
         self.w3 = nn.Linear(in_size, inter, bias=False)
         self.w2 = nn.Linear(inter, in_size, bias=False)
@@ -112,7 +114,13 @@ class KimiMoE(nn.Module):
         D, R = config.hidden_size, config.routed_expert_hidden_size
         self.gate = KimiRouter(config)
         expert_width = D if R is None else R
-        self.experts = nn.ModuleList(KimiExpert(config, expert_width) for _ in range(config.num_experts))
+        tp = get_tp_group()
+        # Expert parallelism: this rank holds experts [expert_start, expert_start + local); the router still
+        # scores all of them, and the choices of other ranks' experts are left to those ranks.
+        local = config.num_experts // tp.world_size if tp.expert_parallel else config.num_experts
+        self.expert_start = tp.rank * local if tp.expert_parallel else 0
+        self.local_experts = local if tp.expert_parallel and tp.world_size > 1 else None
+        self.experts = nn.ModuleList(KimiExpert(config, expert_width) for _ in range(local))
         if R is not None:
             # Latent MoE: experts run in a narrower space; shared experts still read the full x.
             self.routed_expert_down_proj = nn.Linear(D, R, bias=False)
@@ -129,6 +137,8 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.local_experts is not None:
+            weights, ids = self._local_choices(weights, ids)
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
         # capturing_graph: a capture must not sync, so it always takes the kernels (the CPU graph stand-in of the
@@ -146,6 +156,13 @@ class KimiMoE(nn.Module):
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x)
         return y if latent else tensor_model_parallel_all_reduce(y)
+
+    def _local_choices(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choices of this rank's experts, renumbered from 0; another rank's expert becomes expert 0 with
+        weight 0 (it adds nothing; the fused kernels have no id to skip a choice with)."""
+        local = ids - self.expert_start
+        mine = (local >= 0) & (local < self.local_experts)
+        return weights.masked_fill(~mine, 0.0), local.masked_fill(~mine, 0)
 
     def _routed_by_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens that chose it, one expert at a time: the torch reference, and the CPU path.
