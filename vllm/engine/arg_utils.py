@@ -221,9 +221,9 @@ class EngineArgs:
         if tp > 1 and spec is not None and (spec.method != "ngram" or spec.enable_adaptive_verification):
             # Every rank runs the same schedule (vllm/executor): a draft model's vocabulary-split embedding and
             # adaptive verification's measured step times are not built to agree across ranks yet.
-            raise ValueError(f"--tensor-parallel-size {tp} runs with ngram speculation only for now; "
-                             f"{spec.method} drafts{' with adaptive verification' if spec.enable_adaptive_verification else ''}"
-                             " under tensor parallelism are not built")
+            what = "adaptive verification" if spec.enable_adaptive_verification else f"{spec.method} drafts"
+            raise ValueError(f"--tensor-parallel-size {tp} runs with ngram speculation only for now; {what} under "
+                             "tensor parallelism are not built")
         return parallel
 
     def _async_scheduling(self, device: torch.device, spec: SpeculativeConfig | None) -> bool:
