@@ -36,3 +36,13 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=tp.cpu_group)
     return box[0]
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (each rank sizes its cache from its own free memory; all must agree)."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t.item())

@@ -128,6 +128,8 @@ class EngineCore:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
+            if getattr(e, "engine_dead", False):  # a tensor-parallel rank is gone: nothing can go on
+                raise
             logger.exception("engine step failed")
             request_ids = list(self.engine.output_processor.parents)
             self.engine.abort_request(request_ids)

@@ -82,7 +82,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, front_end_outputs: bool = False) -> LLMEngine:
-        return cls(args.create_engine_config(), front_end_outputs)
+        config = args.create_engine_config()
+        if config.parallel_config.tensor_parallel_size > 1:
+            from vllm.executor.tp_engine import TPEngine  # it builds on this class
+            return TPEngine(config, front_end_outputs)
+        return cls(config, front_end_outputs)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -17,6 +17,7 @@ import torch
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.attention.kda.recover import record_bytes
 from vllm.config import VllmConfig
+from vllm.distributed.communication_op import min_over_ranks
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def cache_budget(config: VllmConfig, activation_peak_bytes: int, graph_bytes: in
 def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int = 0) -> CacheLayout:
     cc, sc = config.cache_config, config.scheduler_config
     block_bytes, slot_bytes = per_unit_bytes(config)
-    budget = cache_budget(config, activation_peak_bytes, graph_bytes)
+    budget = min_over_ranks(cache_budget(config, activation_peak_bytes, graph_bytes))  # the ranks must agree
     slots = 0
     per_request = config.state_slots_per_request
     records = per_request_record_bytes(config)

@@ -93,7 +93,6 @@ SERVER_ARGS = {a.name: a for a in [
     UpstreamArg("enable_request_id_headers", IGNORED, "responses carry their id in the body", (), None),
     UpstreamArg("disable_frontend_multiprocessing", IGNORED, "the HTTP server and the engine core are already "
                 "in separate processes as they need", (), None),
-    UpstreamArg("headless", UNSUPPORTED, "there is one process group, with its HTTP server", (), None),
     UpstreamArg("log_config_file", IGNORED, "logging is configured by VLLM_LOGGING_LEVEL", (), str),
 ]}
 
@@ -110,6 +109,9 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
             raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model={args.model!r}: "
                              "give one")
         args.model = args.model_tag
+    if args.headless:  # a node of worker ranks only: no server, no port
+        from vllm.executor.tp_engine import run_headless
+        return run_headless(EngineArgs.from_cli_args(args).create_engine_config())
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is invalid: expected 0..65535")
     if args.max_request_body_bytes < 1:
