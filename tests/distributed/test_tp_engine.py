@@ -4,6 +4,8 @@ engine naming it, within a bounded time; no rank outlives its engine; two "nodes
 the rendezvous flags on localhost; sizes that do not divide are refused naming both numbers."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -161,3 +163,15 @@ def test_no_rank_outlives_a_killed_engine():
     while tp_workers_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not tp_workers_alive()
+
+
+def test_a_stuck_rank_fails_the_engine_within_the_timeout(make_tp, monkeypatch):
+    monkeypatch.setenv("VLLM_TP_TIMEOUT_S", "5")
+    llm = make_tp()
+    (worker,) = llm.llm_engine.workers.values()
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but answers nothing
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        llm.generate(prompts([8]), GREEDY, use_tqdm=False)
+    assert "did not answer within 5 s" in str(e.value)
+    assert time.monotonic() - start < 20

@@ -262,7 +262,7 @@ def test_extra_endpoints(http, server):
 def test_unsupported_upstream_flags_fail_naming_them(tmp_path):
     import subprocess
     import sys
-    for flags, fragment in [(["-tp", "2"], "--tensor-parallel-size=2 is not supported by this engine"),
+    for flags, fragment in [(["-pp", "2"], "--pipeline-parallel-size=2 is not supported by this engine"),
                             (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype='fp8' is not supported"),
                             (["--api-server-count", "2"], "--api-server-count=2 is not supported"),
                             (["--quantization", "awq"], "--quantization='awq' is not supported"),
@@ -288,9 +288,9 @@ def test_the_api_server_module_runs_serve():
     ok = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "--shutdown-timeout" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "-tp", "4"],
+    bad = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "-pp", "4"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--tensor-parallel-size=4 is not supported" in bad.stderr
+    assert bad.returncode == 2 and "--pipeline-parallel-size=4 is not supported" in bad.stderr
 
 
 def test_llm_takes_upstream_keywords_and_names_the_rest():
