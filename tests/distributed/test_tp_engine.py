@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.assets import DEFAULT_DSPARK_DIR
 
 BASE = dict(max_model_len=256, dtype="float32", max_num_batched_tokens=48, max_num_seqs=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -58,7 +59,8 @@ def reference() -> dict[str, list[list[int]]]:
     ngram = LLM(**BASE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     spec = tokens(ngram.generate(prompts(seed=2), GREEDY, use_tqdm=False))
-    return {"plain": plain, "repeated": repeated, "ngram": spec}
+    return {"plain": plain, "repeated": repeated, "ngram": spec,
+            "dspark": tokens(llm.generate(prompts(seed=3), GREEDY, use_tqdm=False))}
 
 
 @pytest.fixture
@@ -175,3 +177,15 @@ def test_a_stuck_rank_fails_the_engine_within_the_timeout(make_tp, monkeypatch):
         llm.generate(prompts([8]), GREEDY, use_tqdm=False)
     assert "did not answer within 5 s" in str(e.value)
     assert time.monotonic() - start < 20
+
+
+DSPARK = {"method": "dspark", "model": str(DEFAULT_DSPARK_DIR), "num_speculative_tokens": 3}
+
+
+def test_dspark_under_tensor_parallelism(reference, make_tp):
+    """DSpark drafts (the draft whole on every rank, over the gathered vocabulary): the greedy outputs of one rank
+    without speculation. (Adaptive verification needs graph-capable backends, which run on GPUs only.)"""
+    llm = make_tp(async_scheduling=True, speculative_config=DSPARK)
+    assert tokens(llm.generate(prompts(seed=3), GREEDY, use_tqdm=False)) == reference["dspark"]
+    stats = llm.llm_engine.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens

@@ -210,20 +210,13 @@ class EngineArgs:
             kernel_config=KernelConfig(self.attention_backend, self.kda_prefill_backend, self.kda_decode_backend),
             compilation_config=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
             speculative_config=spec,
-            parallel_config=self._parallel(hf_config, spec),
+            parallel_config=self._parallel(hf_config),
         )
 
-    def _parallel(self, hf_config, spec: SpeculativeConfig | None) -> ParallelConfig:
+    def _parallel(self, hf_config) -> ParallelConfig:
         parallel = ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel, self.nnodes,
                                   self.node_rank, self.master_addr, self.master_port, self.headless)
-        tp = parallel.tensor_parallel_size
-        check_divisible(hf_config, tp, parallel.enable_expert_parallel)
-        if tp > 1 and spec is not None and (spec.method != "ngram" or spec.enable_adaptive_verification):
-            # Every rank runs the same schedule (vllm/executor): a draft model's vocabulary-split embedding and
-            # adaptive verification's measured step times are not built to agree across ranks yet.
-            what = "adaptive verification" if spec.enable_adaptive_verification else f"{spec.method} drafts"
-            raise ValueError(f"--tensor-parallel-size {tp} runs with ngram speculation only for now; {what} under "
-                             "tensor parallelism are not built")
+        check_divisible(hf_config, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
         return parallel
 
     def _async_scheduling(self, device: torch.device, spec: SpeculativeConfig | None) -> bool:

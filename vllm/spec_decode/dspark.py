@@ -20,7 +20,10 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from vllm.distributed.communication_op import tensor_model_parallel_all_gather
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.dspark.model import DSparkDraftModel
 from vllm.model_executor.models.kimi_k3.model import KimiK3ForCausalLM
 
@@ -47,6 +50,19 @@ def context_buckets(max_model_len: int) -> list[int]:
     return out + [max_model_len]
 
 
+def whole_vocabulary(target: KimiK3ForCausalLM) -> tuple[nn.Module, torch.Tensor]:
+    """The target's embedding and lm_head weight over the whole vocabulary, which the draft indexes directly (its
+    mask token's row, its logits): the target's own, or under tensor parallelism a gathered copy per rank (the
+    draft runs whole on every rank, so every rank drafts the same tokens)."""
+    embed = target.model.embed_tokens
+    head = embed.weight if target.config.tie_word_embeddings else target.lm_head.weight
+    if get_tensor_model_parallel_world_size() == 1:
+        return embed, head
+    whole = tensor_model_parallel_all_gather(embed.weight, dim=0)
+    head = whole if target.config.tie_word_embeddings else tensor_model_parallel_all_gather(head, dim=0)
+    return nn.Embedding.from_pretrained(whole, freeze=True), head
+
+
 class DSparkProposer:
     def __init__(self, draft: DSparkDraftModel, target: KimiK3ForCausalLM, num_speculative_tokens: int,
                  max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, probabilistic: bool = False) -> None:
@@ -54,6 +70,7 @@ class DSparkProposer:
         self.probabilistic = probabilistic  # draft_sample_method "probabilistic": graphs sample at each row's T
         cfg = draft.config
         weight = target.model.embed_tokens.weight
+        self.embed, self.lm_head = whole_vocabulary(target)
         self.context = torch.zeros(max_num_tokens, len(cfg.target_layer_ids) * target.config.hidden_size,
                                    dtype=weight.dtype, device=weight.device)
         target.model.capture_hidden_states(cfg.target_layer_ids, self.context)
@@ -107,10 +124,8 @@ class DSparkProposer:
 
     def _run(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor, max_context: int,
              with_confidence: bool, temperature: torch.Tensor | None = None):
-        target = self.target
-        lm_head = target.model.embed_tokens.weight if target.config.tie_word_embeddings else target.lm_head.weight
         return self.draft.propose(anchor_ids, anchor_pos, block_table, max_context, self.num_spec,
-                                  target.model.embed_tokens, lm_head, with_confidence, temperature)
+                                  self.embed, self.lm_head, with_confidence, temperature)
 
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, block_table: torch.Tensor,
                 max_context: int, with_confidence: bool, temperature: torch.Tensor | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm.distributed.communication_op import broadcast_object
 from vllm.spec_decode.adaptive_verification.budget import choose_budget, recut_lengths
 from vllm.spec_decode.adaptive_verification.calibration import SurvivalCalibration, SurvivalPrediction
 from vllm.spec_decode.adaptive_verification.confidences import DraftConfidences
@@ -103,6 +104,9 @@ class AdaptiveVerifier:
                 times.remeasure(R, R + most)
             # Its outcome calibrates the survivals (observe); a re-cut's caps are added by the runner.
             self._prediction = SurvivalPrediction(raw, known, drafts_per_row)
+        # Under tensor parallelism every rank runs this hook, but the budget reads this rank's measured step
+        # times: rank 0's is the step's, so that every rank cuts the rows alike (a no-op on one rank).
+        budget = broadcast_object(budget)
         self.last_budget = budget
         self.num_offered += offered
         self.num_kept += budget
