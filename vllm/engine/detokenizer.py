@@ -84,7 +84,10 @@ class IncrementalDetokenizer:
         self._generated_from = len(context)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if DecodeStream is not None and backend is not None and not self._lazy:
-            self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+            try:
+                self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+            except TypeError:  # tokenizers without the prompt prefill (`ids`): the window does it
+                return
             self._backend, self._vocab = backend, backend.get_vocab_size(with_added_tokens=True)
 
     @property
