@@ -94,6 +94,7 @@ class TPEngine(LLMEngine):
         try:
             init_distributed_environment(pc.tensor_parallel_size, 0, init_method,
                                          rank_device(config, 0), timeout_s(), pc.enable_expert_parallel)
+            broadcast_object(front_end_outputs)  # the other ranks build the same output side (tp_worker.py)
             super().__init__(config, front_end_outputs)
         except BaseException:
             self._finalizer()

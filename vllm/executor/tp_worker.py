@@ -65,7 +65,10 @@ def run_worker(spec: WorkerSpec) -> None:
                                  rank_device(spec.config, spec.local_rank), spec.timeout_s,
                                  pc.enable_expert_parallel)
     try:
-        engine = LLMEngine(spec.config)
+        # As rank 0's engine: its output side decides when stop strings end requests (in this process, or in the
+        # front end, which then finishes them through a broadcast call), and every rank must end them alike.
+        front_end_outputs = broadcast_object(None)
+        engine = LLMEngine(spec.config, front_end_outputs)
         while True:
             message = broadcast_object(None)
             if message == STOP:
