@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vllm.core.request import Request
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.sample.grammar_bitmask import GrammarBitmask
 from vllm.structured_output.params import StructuredOutputsParams
 from vllm.utils import async_tensor_h2d
@@ -73,7 +74,17 @@ class StructuredOutputManager:
         self._host_bitmask: torch.Tensor | None = None
 
     def add(self, request: Request, params: StructuredOutputsParams) -> None:
-        """Starts compiling the request's grammar in the background."""
+        """Starts compiling the request's grammar in the background. Under tensor parallelism it compiles here:
+        when a compile finishes decides the step its request is admitted in, which must be the same on every
+        rank (vllm/executor)."""
+        if get_tensor_model_parallel_world_size() > 1:
+            future = Future()
+            try:
+                future.set_result(self._compile(params))
+            except Exception as e:  # noqa: BLE001 - failed as the background compile fails: at its first step
+                future.set_exception(e)
+            request.structured_output = StructuredOutputRequest(future)
+            return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         request.structured_output = StructuredOutputRequest(self._executor.submit(self._compile, params))
