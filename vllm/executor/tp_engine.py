@@ -99,6 +99,7 @@ class TPEngine(LLMEngine):
         except BaseException:
             self._finalizer()
             destroy_distributed_environment()
+            torch.set_num_threads(self._threads)
             raise
         logger.info("tensor parallelism: %d ranks over %d node(s), rendezvous at %s", pc.tensor_parallel_size,
                     pc.nnodes, init_method)
