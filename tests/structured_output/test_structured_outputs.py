@@ -203,3 +203,31 @@ def test_a_slow_compile_holds_up_only_its_own_request(llms, monkeypatch):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert re.fullmatch("[0-9]{4}", finished["slow"].outputs[0].text)
     engine.kv_cache_manager.assert_all_free()
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_the_mask_and_outputs_hold():
+    """On the GPU the mask runs inside the decode step (graphs on by default): the device mask equals xgrammar's own
+    CUDA kernel, constrained outputs are complete, and async outputs equal sync outputs."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(5, 163840, device="cuda", generator=gen)
+    words = -(-logits.shape[1] // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), device="cuda", generator=gen, dtype=torch.int64).int()
+    full = torch.full((5, words), -1, dtype=torch.int32, device="cuda")
+    full[[3, 1]] = bitmask
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, full)
+    assert torch.equal(apply_grammar_bitmask(logits, GrammarBitmask(torch.tensor([3, 1], device="cuda"), bitmask)),
+                       want)
+    kw = dict(max_model_len=256, dtype="bfloat16", max_num_seqs=8)
+    params = [constrained(so) for so in CONSTRAINTS] + [SamplingParams(temperature=0.0, max_tokens=24)]
+    results = {}
+    for name, async_scheduling in (("async", True), ("sync", False)):
+        llm = LLM(**kw, async_scheduling=async_scheduling)
+        outs = llm.generate(PROMPTS + ["plain"], params, use_tqdm=False)
+        results[name] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+        for so, (ids, text, reason) in zip(CONSTRAINTS, results[name]):
+            check_output(llm, so, ids, text, reason)
+        llm.llm_engine.kv_cache_manager.assert_all_free()
+        del llm
+    assert results["async"] == results["sync"]
