@@ -248,6 +248,8 @@ class LLMEngine:
         """For a step with structured-output rows: what the runner calls once the forward is queued. It drains
         the step before (its tokens advance the matchers, in _process_step) into `early`, then returns the
         rows' bitmask; the host does this while the device runs the forward."""
+        if not self.structured.any_live():
+            return None
         rows = [s.request for s in sched.scheduled if s.samples and not s.draft_token_ids]
         if not any(r.structured_output is not None for r in rows):
             return None
@@ -288,8 +290,7 @@ class LLMEngine:
         for rid, rows in result.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(rid, rows)
         updated = self.scheduler.update_from_output(sched, result.sampled, result.snapshots_saved)
-        refused = [(r, reason) for r in updated if r.structured_output is not None and not r.status.finished
-                   and (reason := r.structured_output.advance(r.output_token_ids)) is not None]
+        refused = self.structured.advance(updated)
         failures = self._fail(refused)
         outputs, stopped, failed = self.output_processor.process(
             [r for r in updated if r.status is not RequestStatus.FINISHED_ERROR] if refused else updated,

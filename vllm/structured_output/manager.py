@@ -22,7 +22,6 @@ from vllm.core.request import Request
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.sample.grammar_bitmask import GrammarBitmask
 from vllm.structured_output.params import StructuredOutputsParams
-from vllm.utils import async_tensor_h2d
 
 
 class StructuredOutputRequest:
@@ -71,12 +70,17 @@ class StructuredOutputManager:
         self.max_num_seqs = max_num_seqs
         self._compiler = None  # built with the first constrained request (TokenizerInfo walks the vocabulary)
         self._executor: ThreadPoolExecutor | None = None
-        self._host_bitmask: torch.Tensor | None = None
+        self._live: list[Request] = []  # the constrained requests not yet seen finished
+        # Two staging buffers (rows, bitmask, event of the copy that last read them), used in turn: a step's
+        # mask is filled while the copy of the step before's may still be queued.
+        self._staging: list[list] = []
+        self._turn = 0
 
     def add(self, request: Request, params: StructuredOutputsParams) -> None:
         """Starts compiling the request's grammar in the background. Under tensor parallelism it compiles here:
         when a compile finishes decides the step its request is admitted in, which must be the same on every
         rank (vllm/executor)."""
+        self._live.append(request)
         if get_tensor_model_parallel_world_size() > 1:
             future = Future()
             try:
@@ -105,6 +109,33 @@ class StructuredOutputManager:
             return self._compiler.compile_regex(source)
         return self._compiler.compile_grammar(source)
 
+    def any_live(self) -> bool:
+        """Whether an unfinished request has a grammar: steps without one skip every per-row check (the cost
+        is the live constrained requests, not the batch)."""
+        if self._live and any(r.status.finished for r in self._live):
+            self._live = [r for r in self._live if not r.status.finished]
+        return bool(self._live)
+
+    def advance(self, updated: list[Request]) -> list[tuple[Request, str]]:
+        """Feeds a step's new tokens to the matchers of the `updated` requests; the unfinished ones whose token
+        the grammar refused, with the reason."""
+        if not self.any_live():
+            return []
+        return [(r, reason) for r in updated if r.structured_output is not None and not r.status.finished
+                and (reason := r.structured_output.advance(r.output_token_ids)) is not None]
+
+    def _next_staging(self, words: int) -> list:
+        if not self._staging:
+            pin = self.device.type == "cuda"
+            self._staging = [[torch.empty(self.max_num_seqs, dtype=torch.int64, pin_memory=pin),
+                              torch.empty((self.max_num_seqs, words), dtype=torch.int32, pin_memory=pin), None]
+                             for _ in range(2)]
+        buf = self._staging[self._turn]
+        self._turn ^= 1
+        if buf[2] is not None:
+            buf[2].synchronize()  # the copy that read it two steps ago (done by now: that step has been drained)
+        return buf
+
     def grammar_bitmask(self, rows: list[Request]) -> tuple[GrammarBitmask | None, list[tuple[Request, str]]]:
         """The bitmask of a step's sampling `rows` (in the sampler's order) that have a grammar, and the requests
         whose grammar cannot go on (with the reason): their rows are left unconstrained and the engine fails
@@ -113,9 +144,10 @@ class StructuredOutputManager:
         constrained = [(j, r) for j, r in enumerate(rows) if r.structured_output is not None]
         if not constrained:
             return None, []
-        if self._host_bitmask is None:
-            self._host_bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
-        host = self._host_bitmask[:len(constrained)]
+        n = len(constrained)
+        staging = self._next_staging(xgr.get_bitmask_shape(1, self.vocab_size)[1])
+        host_rows, host = staging[0][:n], staging[1][:n]
+        host_rows.copy_(torch.tensor([j for j, _ in constrained]))
         host.fill_(-1)
         failed = []
         for i, (_, req) in enumerate(constrained):
@@ -128,8 +160,9 @@ class StructuredOutputManager:
                 continue
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(host, i)
-        # async_tensor_h2d copies into fresh pinned memory: the buffer is refilled next step while this copy may
-        # still be queued.
-        mask = GrammarBitmask(async_tensor_h2d([j for j, _ in constrained], torch.int64, self.device),
-                              async_tensor_h2d(host, torch.int32, self.device))
+        if self.device.type != "cuda":
+            return GrammarBitmask(host_rows.clone(), host.clone()), failed
+        mask = GrammarBitmask(host_rows.to(self.device, non_blocking=True), host.to(self.device, non_blocking=True))
+        staging[2] = torch.cuda.Event()
+        staging[2].record()
         return mask, failed
