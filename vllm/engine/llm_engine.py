@@ -1,7 +1,7 @@
 """LLMEngine: add_request / abort_request / step, owning the scheduler, the model runner and the outputs.
 
-A user request with n > 1 becomes n child requests (seeded children get seed + index, so n samples differ
-but stay reproducible); the output processor folds them back into one RequestOutput.
+Admission (tokenizing, checks, n > 1 as n child requests) is engine/input_processor.py; the output processor
+folds the children back into one RequestOutput.
 """
 from __future__ import annotations
 
@@ -9,18 +9,16 @@ import dataclasses
 import logging
 import time
 
-import torch
 
 from vllm.config import VllmConfig
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core_outputs import CoreOutputCollector
+from vllm.engine.input_processor import InputProcessor
 from vllm.engine.output_processor import OutputProcessor
 from vllm.inputs import PromptType
-from vllm.inputs.validation import prompt_problem, text_problem
 from vllm.outputs import RequestOutput
-from vllm.sample.bad_words import bad_words_token_ids
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
 from vllm.structured_output.manager import StructuredOutputManager
@@ -32,20 +30,6 @@ logger = logging.getLogger(__name__)
 
 # How many failed steps a request may be part of before it is failed itself (see LLMEngine._contain).
 MAX_FAILED_STEPS = 3
-
-
-def checked_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """A request's max_tokens (None: up to --max-model-len) once the prompt and it are known to fit; raises
-    ValueError otherwise. Beam search checks its whole search with it too (vllm/beam_search.py)."""
-    if num_prompt_tokens >= max_model_len:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens but --max-model-len is {max_model_len}: it must "
-                         "be at most max_model_len - 1 so that at least one token can be generated")
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
-                         f"--max-model-len ({max_model_len})")
-    return max_tokens
 
 
 class LLMEngine:
@@ -64,6 +48,8 @@ class LLMEngine:
         self.output_processor = CoreOutputCollector() if front_end_outputs else OutputProcessor(self.tokenizer)
         self.eos_token_ids = mc.eos_token_ids(self.tokenizer.eos_token_id)
         self.vocab_size = mc.hf_config.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.eos_token_ids, mc.max_model_len,
+                                              mc.device, self.num_spec)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                   config.scheduler_config.max_num_seqs, mc.device)
         # Async scheduling: the step queued on the device whose outputs are not processed yet.
@@ -90,45 +76,14 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
-                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        elif isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        if (problem := text_problem(text)) is not None:  # before the tokenizer, which raises TypeError on it
-            raise ValueError(problem)
-        if ids is None:
-            ids = self.tokenizer.encode(text)
-        problem = prompt_problem(ids, self.vocab_size, text)
-        if problem is not None:
-            raise ValueError(problem)
-        return text, ids
+        return self.input_processor.process_prompt(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> int:
         """Queues the request (n children for n > 1); returns its number of prompt tokens."""
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = self._checked(params)
-        text, ids = self.process_prompt(prompt)
-        max_tokens = checked_max_tokens(len(ids), params.max_tokens, self.config.model_config.max_model_len)
-        children = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
-            child_params.all_stop_token_ids = set(child_params.stop_token_ids)
-            generator = None
-            if child_params.seed is not None:
-                generator = torch.Generator(self.config.model_config.device).manual_seed(child_params.seed)
-            children.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", ids, child_params,
-                                    max_tokens, self.eos_token_ids, arrival_time or time.monotonic(),
-                                    generator=generator, speculate=self._can_speculate(child_params),
-                                    spec_stats=SpecDecodeStats(self.num_spec) if self.num_spec else None))
+        text, ids, params, children = self.input_processor.process(request_id, prompt, params, arrival_time)
         self.output_processor.add(request_id, text, children, params)
         for c in children:
             if params.structured_outputs is not None:
@@ -137,24 +92,6 @@ class LLMEngine:
         if any(len(seq) > 1 for seq in params.bad_words_token_ids):
             self.history_bans += children
         return len(ids)
-
-    def _checked(self, params: SamplingParams) -> SamplingParams:
-        """What SamplingParams cannot check alone, against this model: raises ValueError naming the field, and
-        clamps top_k to the vocabulary as upstream does (a copy, so the caller's object is unchanged)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-                             + ("; build one with SamplingParams(**your_dict)" if isinstance(params, dict) else ""))
-        V = self.vocab_size
-        for name, ids in params.token_ids_to_check().items():
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"{name} hold ids outside the vocabulary [0, {V}): {bad[:5]}")
-        if params.top_k > V:
-            params = dataclasses.replace(params, top_k=V)
-        if params.bad_words:
-            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
-                                                                                         params.bad_words))
-        return params
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -174,13 +111,6 @@ class LLMEngine:
                 if req is not None:
                     self.scheduler.finish(req, RequestStatus(status))
         self.runner.remove_finished(self.scheduler.requests)
-
-    def _can_speculate(self, params: SamplingParams) -> bool:
-        """Drafts are verified by the rejection sampler, which applies no penalties, min_tokens bans, logit
-        biases or logprobs: requests asking for those decode one token per step."""
-        return self.num_spec > 0 and params.logprobs is None and params.prompt_logprobs is None \
-            and params.min_tokens == 0 and not params.has_penalties and not params.has_logits_processing \
-            and params.structured_outputs is None  # drafts are not checked against the grammar
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (blocks and snapshots not held by a request); True once done, as

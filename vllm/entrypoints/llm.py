@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 
 from vllm.beam_search import BeamSearchOutput, beam_search
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.llm_engine import LLMEngine, checked_max_tokens
+from vllm.engine.input_processor import checked_max_tokens
+from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.inputs.validation import text_problem
 from vllm.lora.request import LoRARequest

@@ -14,7 +14,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from vllm.beam_search import beam_search_steps, beam_step_params
-from vllm.engine.llm_engine import checked_max_tokens
+from vllm.engine.input_processor import checked_max_tokens
 from vllm.entrypoints.openai.chat_tools import ToolSettings
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError
