@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.config import parse_json
+from vllm.config.utils import parse_json
 
 logger = logging.getLogger(__name__)
 
