@@ -127,6 +127,36 @@ def test_degenerate_routings(device):
     assert empty.shape == (0, D)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_map_skips_other_ranks_experts(device):
+    """Expert parallelism: this rank holds global experts [4, 12) of 16; a choice of another rank's expert adds
+    nothing, in the fused kernels and in the torch loop alike (and is not computed on a stand-in expert)."""
+    gen = torch.Generator().manual_seed(11)
+    D, inter, E, local, start, T, k = 32, 16, 16, 8, 4, 23, 4
+    w13, w2 = make_experts(local, D, inter, torch.float32, device, gen)
+    x = torch.randn(T, D, generator=gen).to(device)
+    weights, ids = random_routing(T, E, k, gen)
+    expert_map = torch.full((E,), -1, dtype=torch.int32)
+    expert_map[start:start + local] = torch.arange(local, dtype=torch.int32)
+    mine = (ids >= start) & (ids < start + local)
+    assert mine.any() and not mine.all()
+    ref = reference(x, w13, w2, weights * mine, (ids - start).clamp(0, local - 1), ACTIVATIONS[0])
+    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), ACTIVATIONS[0], expert_map=expert_map.to(device))
+    torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-4, atol=1e-4)
+    sorted_pairs, _, num_padded = moe_align_block_size(expert_map[ids].to(device), 16, local)
+    used = sorted_pairs[:int(num_padded.item())].cpu()
+    assert set(used[used < T * k].tolist()) == set(mine.flatten().nonzero().flatten().tolist())
+    loop = KimiMoE(KimiK3TextConfig.from_dict({**tiny_text_config("kimi_linear"), "hidden_size": D,
+                                               "moe_intermediate_size": inter, "num_experts": local,
+                                               "num_shared_experts": 0})).to(device)
+    for i, expert in enumerate(loop.experts):
+        expert.w1.weight.data, expert.w3.weight.data = w13[i].split(inter)
+        expert.w2.weight.data = w2[i]
+    loop.expert_map = expert_map.to(device)
+    torch.testing.assert_close(loop._routed_by_expert(x, weights.to(device), ids.to(device)).double().cpu(), ref,
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_unsupported_dtype_is_refused_by_name():
     x = torch.randn(2, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):

@@ -170,12 +170,14 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, nu
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation(),
-                  tiles: tuple[GemmConfig, GemmConfig] | None = None) -> torch.Tensor:
+                  tiles: tuple[GemmConfig, GemmConfig] | None = None,
+                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in float32 [T, D].
 
     x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; topk_weights [T, k] float32;
     topk_ids [T, k] integer. `tiles` (gate/up, down) overrides the choice (tile_configs' table for the shape and
-    device, else pick_config): the tuner's seam."""
+    device, else pick_config): the tuner's seam. `expert_map` (upstream's, for expert parallelism): the global
+    id -> this rank's local expert, or -1 for another rank's, whose choices are skipped (they add nothing here)."""
     reason = fused_moe_unsupported(x)
     if reason:
         raise ValueError(reason)
@@ -188,7 +190,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.flatten().float().contiguous()
     up_cfg, down_cfg = tiles or choose_tiles(T, top_k, E, inter, D, x)
-    sorted_pairs, block_expert, num_padded = moe_align_block_size(topk_ids.to(torch.int32), up_cfg.block_m, E)
+    ids = topk_ids.to(torch.int32) if expert_map is None else expert_map[topk_ids.long()].to(torch.int32)
+    sorted_pairs, block_expert, num_padded = moe_align_block_size(ids, up_cfg.block_m, E)
     max_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -198,7 +201,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         TOP_K=top_k, ACT=kernels.ACT_SITU if activation.name == "situ" else kernels.ACT_SILU,
         BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, PRECISION=precision,
         LIBDEVICE=x.is_cuda, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
-    out = torch.empty(num_pairs, D, dtype=x.dtype, device=x.device)
+    # a skipped choice's row is never written: zero, so the sum over choices holds
+    out = (torch.empty if expert_map is None else torch.zeros)(num_pairs, D, dtype=x.dtype, device=x.device)
     kernels._down_kernel[(max_blocks, _cdiv(D, down_cfg.block_n))](
         act, w2, out, weights, sorted_pairs, block_expert, num_padded, num_pairs, inter, D,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),

@@ -28,8 +28,9 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, n
     counts = tl.zeros([E_POW2], tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + idx, mask=idx < num_pairs, other=0)
-        counts += tl.histogram(ids, E_POW2, mask=idx < num_pairs)
+        ids = tl.load(ids_ptr + idx, mask=idx < num_pairs, other=-1)
+        # an id outside [0, num_experts) is a choice this rank skips (expert parallelism's expert_map)
+        counts += tl.histogram(ids, E_POW2, mask=(ids >= 0) & (ids < num_experts))
     experts = tl.arange(0, E_POW2)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start = tl.sum(tl.where(experts < e, padded, 0))

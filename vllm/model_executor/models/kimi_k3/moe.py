@@ -120,6 +120,8 @@ class KimiMoE(nn.Module):
         local = config.num_experts // tp.world_size if tp.expert_parallel else config.num_experts
         self.expert_start = tp.rank * local if tp.expert_parallel else 0
         self.local_experts = local if tp.expert_parallel and tp.world_size > 1 else None
+        self.num_experts = config.num_experts
+        self.expert_map: torch.Tensor | None = None  # expert parallelism: built on the device after loading
         self.experts = nn.ModuleList(KimiExpert(config, expert_width) for _ in range(local))
         if R is not None:
             # Latent MoE: experts run in a narrower space; shared experts still read the full x.
@@ -137,8 +139,6 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.local_experts is not None:
-            weights, ids = self._local_choices(weights, ids)
         latent = hasattr(self, "routed_expert_down_proj")
         u = self.routed_expert_down_proj(x) if latent else x
         # capturing_graph: a capture must not sync, so it always takes the kernels (the CPU graph stand-in of the
@@ -157,22 +157,18 @@ class KimiMoE(nn.Module):
             y = y + self.shared_experts(x)
         return y if latent else tensor_model_parallel_all_reduce(y)
 
-    def _local_choices(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The choices of this rank's experts, renumbered from 0; another rank's expert becomes expert 0 with
-        weight 0 (it adds nothing; the fused kernels have no id to skip a choice with)."""
-        local = ids - self.expert_start
-        mine = (local >= 0) & (local < self.local_experts)
-        return weights.masked_fill(~mine, 0.0), local.masked_fill(~mine, 0)
-
     def _routed_by_expert(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens that chose it, one expert at a time: the torch reference, and the CPU path.
         Reads the group sizes on the host (a sync per layer), so it is never used on a GPU where the fused
         kernels run."""
         y = torch.zeros(u.shape, dtype=torch.float32, device=u.device)
-        order = ids.flatten().argsort()
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        tokens, w = order // ids.shape[1], weights.flatten()[order]
-        start = 0
+        ids = ids if self.expert_map is None else self.expert_map[ids.long()]
+        ids = ids.flatten().long()
+        skipped = int((ids < 0).sum())  # another rank's experts: sorted first (-1), then passed over
+        order = ids.argsort()
+        counts = torch.bincount(ids[ids >= 0], minlength=len(self.experts)).tolist()
+        tokens, w = order // weights.shape[1], weights.flatten()[order]
+        start = skipped
         for e, n in enumerate(counts):
             if n:
                 tok = tokens[start:start + n]
@@ -185,6 +181,10 @@ class KimiMoE(nn.Module):
         expert's parameters views into them (no second copy), for the fused kernels."""
         if hasattr(self, "shared_experts"):
             self.shared_experts.process_weights_after_loading()
+        if self.local_experts is not None:
+            # upstream's expert_map: global id -> local expert, -1 for another rank's (its choices are skipped)
+            ids = torch.arange(self.num_experts, device=self.experts[0].w1.weight.device) - self.expert_start
+            self.expert_map = ids.masked_fill((ids < 0) | (ids >= self.local_experts), -1).int()
         inter = self.experts[0].w1.out_features
         self.w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in self.experts])
         self.w2 = torch.stack([e.w2.weight.data for e in self.experts])
@@ -198,4 +198,5 @@ class KimiMoE(nn.Module):
         if not hasattr(self, "w13"):
             raise RuntimeError("KimiMoE.process_weights_after_loading() must stack the experts before the fused "
                                "MoE runs")
-        return fused_experts(u, self.w13, self.w2, weights, ids, self.activation)
+        return fused_experts(u, self.w13, self.w2, weights, ids, self.activation,
+                             expert_map=self.expert_map)
