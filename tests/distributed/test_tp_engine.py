@@ -31,11 +31,6 @@ def tokens(outputs) -> list[list[int]]:
     return [c.token_ids for o in outputs for c in o.outputs]
 
 
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
-
-
 def tp_workers_alive() -> list[int]:
     """Processes of ours still running vllm.executor.tp_worker."""
     out = subprocess.run(["pgrep", "-f", "vllm.executor.tp_worker"], capture_output=True, text=True).stdout.split()

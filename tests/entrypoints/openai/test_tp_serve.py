@@ -3,15 +3,10 @@ rank 0 and starts rank 1), and SIGTERM leaves no process behind."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import openai
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
+from processes import children
 
 
 def alive(pid: int) -> bool:
