@@ -193,11 +193,15 @@ def test_moe_layer_takes_the_fused_path_and_matches_the_expert_loop(device, kind
     monkeypatch.setattr(moe_module, "capturing_graph", lambda t: True)  # as under capture: CPU takes the kernels
     y_fused = moe(x)
     monkeypatch.undo()
-    # The reference: the same forward with the torch expert loop in the kernels' place (on CUDA too).
-    monkeypatch.setattr(moe, "_routed_fused", moe._routed_by_expert)
+    # The reference: the same forward on the torch path (router, expert loop, shared experts apart; on CUDA too).
+    monkeypatch.setattr(moe_module, "fused_moe_unsupported", lambda t: "the torch reference")
     y_ref = moe(x)
     assert calls == [1], "the fused kernels ran"
     torch.testing.assert_close(y_fused, y_ref, rtol=1e-4, atol=1e-4)
+    if moe.shared_in_experts:  # Kimi-Linear: its one shared expert runs in the fused kernels, as expert E
+        assert moe.w13.shape[0] == len(moe.experts) + 1
+        assert moe.shared_experts.down_proj.weight.data_ptr() == moe.w2[-1].data_ptr()
+        assert moe.shared_experts.gate_up_weight.data_ptr() == moe.w13[-1].data_ptr()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,6 +223,11 @@ def test_grouped_topk_matches_the_router(device, E, k, groups, topk_group, renor
     assert got_ids.dtype == torch.int32
     assert torch.equal(got_ids.cpu().long(), want_ids)
     torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-6, atol=1e-7)
+    # with_shared: the same choice, then expert E with weight 1 in one more column
+    sw, sids = grouped_topk(logits.to(device), router.e_score_correction_bias.to(device), k, groups, topk_group,
+                            renormalize, scale, with_shared=True)
+    assert torch.equal(sids[:, :k], got_ids) and torch.equal(sw[:, :k], got_w)
+    assert (sids[:, k] == E).all() and (sw[:, k] == 1.0).all()
 
 
 def test_grouped_topk_refuses_impossible_choices():

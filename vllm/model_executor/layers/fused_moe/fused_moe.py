@@ -4,6 +4,9 @@
 2. gate/up GEMM with the gated activation fused, over the sorted pairs (one launch);
 3. down GEMM scaled by the routing weights (one launch), then a sum over each token's top_k rows.
 
+A shared expert as wide as a routed one can ride along as expert E, chosen by every token with weight 1
+(grouped_topk's `with_shared`): its GEMMs, activation and add then cost no launches of their own.
+
 No step reads a tensor on the host and every grid is sized from shapes alone, so the same path serves eager
 steps, CUDA graphs and prefill chunks of any size; the old every-expert-on-every-token graph path read all
 experts' weights every step and the per-expert loop synced per layer.
@@ -145,11 +148,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 
 def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int = 1,
-                 topk_group: int = 1, renormalize: bool = True, scale: float = 1.0
+                 topk_group: int = 1, renormalize: bool = True, scale: float = 1.0, with_shared: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sigmoid router's choice in one launch (what KimiRouter does in ~9 torch kernels): router_logits
     [T, E] float32 and the e_score_correction_bias [E] float32 -> (weights [T, top_k] float32, ids [T, top_k]
-    int32, the dtype the align kernel reads), experts in descending order of score + bias."""
+    int32, the dtype the align kernel reads), experts in descending order of score + bias. `with_shared`: one
+    more column, expert E with weight 1 (a shared expert stacked after the routed ones: fused_experts runs it
+    with them)."""
     T, E = router_logits.shape
     if router_logits.dtype != torch.float32 or bias.dtype != torch.float32:
         raise ValueError(f"grouped_topk takes float32 logits and bias, got {router_logits.dtype}, {bias.dtype}")
@@ -157,13 +162,13 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, nu
         raise ValueError(f"grouped_topk: {E} experts in {num_groups} groups cannot give top_k={top_k} from "
                          f"topk_group={topk_group} groups")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(T, top_k + with_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k + with_shared, dtype=torch.int32, device=logits.device)
     if T:
         kernels._grouped_topk_kernel[(T,)](
             logits, bias.contiguous(), weights, ids, logits.stride(0), E, scale, TOP_K=top_k,
             K_POW2=_next_power_of_2(top_k), NUM_GROUPS=num_groups, G_POW2=_next_power_of_2(num_groups),
-            TOPK_GROUP=topk_group, RENORMALIZE=renormalize, E_POW2=_next_power_of_2(E),
+            TOPK_GROUP=topk_group, RENORMALIZE=renormalize, E_POW2=_next_power_of_2(E), SHARED=int(with_shared),
             num_warps=1 if E <= 128 else 4)
     return weights, ids
 
@@ -171,8 +176,9 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, nu
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation(),
                   tiles: tuple[GemmConfig, GemmConfig] | None = None,
-                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), in float32 [T, D].
+                  expert_map: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), [T, D] in out_dtype (summed in float32: another
+    dtype saves the caller a cast launch).
 
     x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; topk_weights [T, k] float32;
     topk_ids [T, k] integer. `tiles` (gate/up, down) overrides the choice (tile_configs' table for the shape and
@@ -186,7 +192,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     inter, top_k = two_i // 2, topk_ids.shape[1]
     num_pairs = T * top_k
     if num_pairs == 0:
-        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
+        return torch.zeros(T, D, dtype=out_dtype, device=x.device)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = topk_weights.flatten().float().contiguous()
     up_cfg, down_cfg = tiles or choose_tiles(T, top_k, E, inter, D, x)
@@ -208,4 +214,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, PRECISION=precision,
         num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
-    return out.view(T, top_k, D).sum(1, dtype=torch.float32)
+    # torch's sum of bf16/fp16 accumulates in float32, then rounds once to the output's dtype
+    return out.view(T, top_k, D).sum(1, dtype=torch.float32 if out_dtype == torch.float32 else None).to(out_dtype)

@@ -145,10 +145,11 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_ex
 def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logits, num_experts, scale,
                          TOP_K: tl.constexpr, K_POW2: tl.constexpr, NUM_GROUPS: tl.constexpr,
                          G_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         E_POW2: tl.constexpr):
+                         E_POW2: tl.constexpr, SHARED: tl.constexpr):
     """One token's routing: sigmoid scores, experts chosen by score + bias within the best groups (a group's
     strength is the sum of its two best), weights gathered from the scores, renormalised and scaled. The
-    choice loops run TOP_K (and TOPK_GROUP) argmaxes over the token's experts in registers."""
+    choice loops run TOP_K (and TOPK_GROUP) argmaxes over the token's experts in registers. SHARED: a last
+    column choosing expert `num_experts` (the shared expert stacked after the routed ones) with weight 1."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
     valid = e < num_experts
@@ -181,5 +182,9 @@ def _grouped_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_logi
         choice = tl.where(e == best, float("-inf"), choice)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, 0) + 1e-20)
-    tl.store(weights_ptr + t * TOP_K + j, weights * scale, mask=j < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + j, ids, mask=j < TOP_K)
+    row = TOP_K + SHARED
+    tl.store(weights_ptr + t * row + j, weights * scale, mask=j < TOP_K)
+    tl.store(ids_ptr + t * row + j, ids, mask=j < TOP_K)
+    if SHARED:
+        tl.store(weights_ptr + t * row + TOP_K, 1.0)
+        tl.store(ids_ptr + t * row + TOP_K, num_experts)

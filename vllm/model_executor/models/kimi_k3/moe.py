@@ -82,13 +82,19 @@ class KimiRouter(nn.Module):
                                                         config.topk_group)
         self.renormalize, self.scale = config.moe_renormalize, config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (weights [T, k] float32, expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, with_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k] float32, expert ids [T, k]); `with_shared`: a last column choosing expert E
+        (the shared expert stacked after the routed ones) with weight 1."""
         logits = x.float() @ self.weight.float().t()
         if logits.is_cuda and fused_moe_unsupported(logits) is None:
             return grouped_topk(logits, self.e_score_correction_bias.float(), self.top_k, self.num_groups,
-                                self.topk_group, self.renormalize, self.scale)
-        return self.forward_native(logits)
+                                self.topk_group, self.renormalize, self.scale, with_shared=with_shared)
+        weights, ids = self.forward_native(logits)
+        if with_shared:
+            T, E = logits.shape
+            weights = torch.cat([weights, weights.new_ones(T, 1)], 1)
+            ids = torch.cat([ids, ids.new_full((T, 1), E)], 1)
+        return weights, ids
 
     def forward_native(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch form of the choice from the router logits [T, E] float32 (the CPU path and the reference)."""
@@ -134,26 +140,27 @@ class KimiMoE(nn.Module):
             # since the experts' sum is normed in the latent space first).
             self.shared_experts = KimiMLP(config, D, config.moe_intermediate_size * config.num_shared_experts,
                                           reduce_results=R is not None)
+        # One shared expert, as wide as a routed one and reading the same x (not latent), split as they are (not
+        # expert parallel): the fused kernels run it as expert E with weight 1 (process_weights_after_loading).
+        self.shared_in_experts = (config.num_shared_experts == 1 and R is None and self.local_experts is None)
         self.activation = MoEActivation(config.hidden_act, config.activation_situ_beta,
                                         config.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        latent = hasattr(self, "routed_expert_down_proj")
-        u = self.routed_expert_down_proj(x) if latent else x
         # capturing_graph: a capture must not sync, so it always takes the kernels (the CPU graph stand-in of the
         # tests reports a capture and runs them through Triton's interpreter).
-        if (u.is_cuda or capturing_graph(u)) and fused_moe_unsupported(u) is None:
-            y = self._routed_fused(u, weights, ids)
-        else:
-            y = self._routed_by_expert(u, weights, ids)
-        y = y.to(x.dtype)
+        fused = (x.is_cuda or capturing_graph(x)) and fused_moe_unsupported(x) is None
+        shared_fused = fused and self.shared_in_experts
+        weights, ids = self.gate(x, with_shared=shared_fused)
+        latent = hasattr(self, "routed_expert_down_proj")
+        u = self.routed_expert_down_proj(x) if latent else x
+        y = self._routed_fused(u, weights, ids) if fused else self._routed_by_expert(u, weights, ids).to(x.dtype)
         if latent:
             y = tensor_model_parallel_all_reduce(y)
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        if hasattr(self, "shared_experts"):
+        if hasattr(self, "shared_experts") and not shared_fused:
             y = y + self.shared_experts(x)
         return y if latent else tensor_model_parallel_all_reduce(y)
 
@@ -186,11 +193,16 @@ class KimiMoE(nn.Module):
             ids = torch.arange(self.num_experts, device=self.experts[0].w1.weight.device) - self.expert_start
             self.expert_map = ids.masked_fill((ids < 0) | (ids >= self.local_experts), -1).int()
         inter = self.experts[0].w1.out_features
-        self.w13 = torch.stack([torch.cat([e.w1.weight.data, e.w3.weight.data]) for e in self.experts])
-        self.w2 = torch.stack([e.w2.weight.data for e in self.experts])
-        for i, e in enumerate(self.experts):
-            e.w1.weight.data, e.w3.weight.data = self.w13[i, :inter], self.w13[i, inter:]
-            e.w2.weight.data = self.w2[i]
+        pairs = [(e.w1.weight, e.w3.weight, e.w2.weight) for e in self.experts]
+        if self.shared_in_experts:
+            mlp = self.shared_experts
+            pairs.append((mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+        self.w13 = torch.stack([torch.cat([w1.data, w3.data]) for w1, w3, _ in pairs])
+        self.w2 = torch.stack([w2.data for _, _, w2 in pairs])
+        for i, (w1, w3, w2) in enumerate(pairs):  # views into the stacks: no second copy
+            w1.data, w3.data, w2.data = self.w13[i, :inter], self.w13[i, inter:], self.w2[i]
+        if self.shared_in_experts:
+            self.shared_experts.gate_up_weight = self.w13[-1]  # its own forward (the torch path) reads the stack
 
     def _routed_fused(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts only, over tokens sorted by expert on the device (layers/fused_moe): no host sync,
@@ -199,4 +211,4 @@ class KimiMoE(nn.Module):
             raise RuntimeError("KimiMoE.process_weights_after_loading() must stack the experts before the fused "
                                "MoE runs")
         return fused_experts(u, self.w13, self.w2, weights, ids, self.activation,
-                             expert_map=self.expert_map)
+                             expert_map=self.expert_map, out_dtype=u.dtype)
