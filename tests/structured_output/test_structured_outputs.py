@@ -231,3 +231,28 @@ def test_on_cuda_with_graphs_the_mask_and_outputs_hold():
         llm.llm_engine.kv_cache_manager.assert_all_free()
         del llm
     assert results["async"] == results["sync"]
+
+
+def test_one_compile_per_grammar_and_no_spinning_while_it_runs(llms, monkeypatch):
+    """Requests with the same constraint share one compile; an engine with nothing else to run waits on the
+    compile instead of spinning on step() (which held the GIL the compiling thread needs: thousands of empty
+    steps before a request was admitted)."""
+    llm = llms["async"]
+    so = {"json": {"type": "object", "properties": {"k": {"type": "string", "minLength": 64}}, "required": ["k"]}}
+    engine, steps = llm.llm_engine, [0]
+    real = LLMEngine.step
+
+    def counted(self):
+        steps[0] += 1
+        return real(self)
+    monkeypatch.setattr(LLMEngine, "step", counted)
+    params = constrained(so, max_tokens=6)
+    first = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    cold = steps[0]
+    futures = {id(f) for f in engine.structured._compiles.values()}
+    steps[0] = 0
+    again = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert steps[0] <= 6 + 2, f"{steps[0]} steps for 6 tokens with the grammar compiled"
+    assert cold <= 6 + 2 + 50, f"{cold} steps for 6 tokens while the grammar compiled"
+    assert {id(f) for f in engine.structured._compiles.values()} == futures, "the same constraint compiled once"

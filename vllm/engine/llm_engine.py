@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # How many failed steps a request may be part of before it is failed itself (see LLMEngine._contain).
 MAX_FAILED_STEPS = 3
+# The longest an idle step waits for a grammar's compile (it returns as soon as one is done).
+COMPILE_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -144,7 +146,10 @@ class LLMEngine:
             outputs = self._drain()  # a suspect runs alone, and a history-dependent ban needs the latest token
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return outputs + self._drain()
+            outputs += self._drain()
+            if not outputs and self.scheduler.waiting:  # what waits is a grammar still compiling: wait on it
+                self.structured.wait_for_compiles(COMPILE_WAIT_S)
+            return outputs
         rows = sched.scheduled
         self.last_scheduled = sched
         early: list[RequestOutput] = []  # the step before's, when the grammar hook drained it

@@ -14,7 +14,8 @@ speculating. docs/structured_outputs.md has the whole contract.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -22,6 +23,9 @@ from vllm.core.request import Request
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.sample.grammar_bitmask import GrammarBitmask
 from vllm.structured_output.params import StructuredOutputsParams
+
+
+MAX_CACHED_GRAMMARS = 256
 
 
 class StructuredOutputRequest:
@@ -70,6 +74,9 @@ class StructuredOutputManager:
         self.max_num_seqs = max_num_seqs
         self._compiler = None  # built with the first constrained request (TokenizerInfo walks the vocabulary)
         self._executor: ThreadPoolExecutor | None = None
+        # A grammar's compile, shared by every request with the same constraint (an agent's tool schema, a
+        # benchmark's batch): later requests start with it done, or wait on the one compile in flight.
+        self._compiles: OrderedDict[tuple, Future] = OrderedDict()
         self._live: list[Request] = []  # the constrained requests not yet seen finished
         # Two staging buffers (rows, bitmask, event of the copy that last read them), used in turn: a step's
         # mask is filled while the copy of the step before's may still be queued.
@@ -89,9 +96,24 @@ class StructuredOutputManager:
                 future.set_exception(e)
             request.structured_output = StructuredOutputRequest(future)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        request.structured_output = StructuredOutputRequest(self._executor.submit(self._compile, params))
+        key = params.key()
+        future = self._compiles.get(key)
+        if future is None or (future.done() and future.exception() is not None):  # a failure is not kept
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self._compiles[key] = self._executor.submit(self._compile, params)
+            if len(self._compiles) > MAX_CACHED_GRAMMARS:
+                self._compiles.popitem(last=False)
+        self._compiles.move_to_end(key)
+        request.structured_output = StructuredOutputRequest(future)
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Blocks until a pending compile finishes (or `timeout` s): for an engine with nothing else to run,
+        which would otherwise spin on step() and hold the GIL the compiling thread needs."""
+        pending = [r.structured_output.future for r in self._live
+                   if not r.status.finished and not r.structured_output.ready]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _compile(self, params: StructuredOutputsParams):
         import xgrammar as xgr
