@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import time
 
-
 from vllm.config import VllmConfig
 from vllm.core.request import Request, RequestStatus
 from vllm.core.scheduler import Scheduler, SchedulerOutput

@@ -29,7 +29,8 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.request_body import parse_body, read_body, validate_body
-from vllm.entrypoints.openai.serving_engine import STALL_CHECK_S, ServerSettings
+from vllm.entrypoints.openai.serving_engine import ServerSettings
+from vllm.entrypoints.openai.sse import STALL_CHECK_S
 from vllm.utils import freeze_gc_heap
 from vllm.version import __version__
 

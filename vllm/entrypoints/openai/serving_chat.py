@@ -21,9 +21,8 @@ from vllm.entrypoints.openai.chat_tools import (ChoiceParser, ConstrainedCalls, 
                                                 tool_call_constraint, tool_choice_mode)
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
-from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, ServerSettings, SSEResponse,
-                                                    prompt_logprobs_json, sse, started, stream_when_started,
-                                                    until_disconnect)
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, ServerSettings, prompt_logprobs_json
+from vllm.entrypoints.openai.sse import DONE, SSEResponse, sse, started, stream_when_started, until_disconnect
 from vllm.outputs import Logprob, OutputJoiner
 from vllm.structured_output.params import StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer

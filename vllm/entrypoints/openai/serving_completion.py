@@ -9,8 +9,8 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import APIError, CompletionRequest
-from vllm.entrypoints.openai.serving_engine import (DONE, OpenAIServing, SSEResponse, prompt_logprobs_json, sse,
-                                                    started, stream_when_started, until_disconnect)
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, prompt_logprobs_json
+from vllm.entrypoints.openai.sse import DONE, SSEResponse, sse, started, stream_when_started, until_disconnect
 from vllm.inputs.validation import prompt_problem
 from vllm.outputs import CompletionOutput, Logprob, OutputJoiner, RequestOutput
 

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.openai.protocol import APIError
 from vllm.entrypoints.openai.responses_protocol import ResponsesRequest, to_chat
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_engine import SSEResponse, started, until_disconnect
+from vllm.entrypoints.openai.sse import SSEResponse, started, until_disconnect
 from vllm.outputs import OutputJoiner
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET

@@ -214,5 +214,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, PRECISION=precision,
         num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
-    # torch's sum of bf16/fp16 accumulates in float32, then rounds once to the output's dtype
-    return out.view(T, top_k, D).sum(1, dtype=torch.float32 if out_dtype == torch.float32 else None).to(out_dtype)
+    if out_dtype == out.dtype:  # torch's sum of bf16/fp16 accumulates in float32 and rounds once: one launch
+        return out.view(T, top_k, D).sum(1)
+    return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(out_dtype)
