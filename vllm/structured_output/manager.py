@@ -169,7 +169,7 @@ class StructuredOutputManager:
         n = len(constrained)
         staging = self._next_staging(xgr.get_bitmask_shape(1, self.vocab_size)[1])
         host_rows, host = staging[0][:n], staging[1][:n]
-        host_rows.copy_(torch.tensor([j for j, _ in constrained]))
+        host_rows.numpy()[:] = [j for j, _ in constrained]  # into the pinned buffer, no tensor built
         host.fill_(-1)
         failed = []
         for i, (_, req) in enumerate(constrained):
