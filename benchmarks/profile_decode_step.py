@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=12, help="rows per profiler table")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--modes", default="graphs_async,graphs_sync,eager",
+                    help="engines to profile: graphs_async, graphs_sync, eager")
     ap.add_argument("--prefill", default=None, metavar="NxL",
                     help="profile one prefill step of N prompts of L tokens instead (default engine: graphs, async)")
     args = ap.parse_args()
@@ -137,7 +139,8 @@ def main() -> None:
         llm = make_llm(engine_args, path, True, None, n, max_num_batched_tokens=max(8192, n * length))
         profile_prefill(llm, n, length, args.rows, args.device)
         return
-    for graphs, overlap in ((True, True), (True, False), (False, True)):
+    modes = {"graphs_async": (True, True), "graphs_sync": (True, False), "eager": (False, True)}
+    for graphs, overlap in (modes[m] for m in args.modes.split(",")):
         print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}, "
               f"{'async scheduling' if overlap else 'synchronous'}")
         llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap)
