@@ -2,7 +2,8 @@
 the engine reads (layers/fused_moe/tile_configs.py), one JSON file per shape, as upstream's fused-MoE configs.
 
 For each token count: for each BLOCK_M the routing's pairs per expert make sensible, a coordinate descent: the
-gate/up tiles against a fixed down tile, then the down tiles against the best gate/up; the fastest pair wins,
+gate/up tiles (from 64-row blocks up, unfused `split_act` ones too) against a fixed down tile, then the down
+tiles against the best gate/up; the fastest pair wins,
 timed as the whole fused_experts call (align + both GEMMs + the top-k sum) in CUDA graphs, medians of many.
 The heuristic's tiles (fused_moe.pick_config) are timed in the same run: the table keeps the heuristic where
 nothing beat it.
@@ -52,10 +53,12 @@ def block_ms(pairs_per_expert: float) -> tuple[int, ...]:
     return (64, 128)
 
 
-def tile_grid(bm: int, widths: tuple[int, ...], b_tiles: int, elem: int, smem: int) -> list[GemmConfig]:
+def tile_grid(bm: int, widths: tuple[int, ...], b_tiles: int, elem: int, smem: int, split_act: bool = False
+              ) -> list[GemmConfig]:
     depths = (64, 128, 256) if bm <= 32 else (32, 64, 128)
-    return [GemmConfig(bm, bn, bk, w, st) for bn, bk, w, st in itertools.product(widths, depths, (4, 8), (3, 4))
-            if pipelined_smem_bytes(GemmConfig(bm, bn, bk, w, st), b_tiles, elem) <= smem]
+    grid = (GemmConfig(bm, bn, bk, w, st, split_act)
+            for bn, bk, w, st in itertools.product(widths, depths, (4, 8), (3, 4)))
+    return [c for c in grid if pipelined_smem_bytes(c, b_tiles, elem) <= smem]
 
 
 def tune_tokens(run, T: int, E: int, k: int, elem: int, smem: int, log: list) -> tuple[GemmConfig, GemmConfig]:
@@ -71,6 +74,8 @@ def tune_tokens(run, T: int, E: int, k: int, elem: int, smem: int, log: list) ->
     for bm in block_ms(T * k / E):
         down = GemmConfig(bm, 128, 64, 4, 3)
         ups = tile_grid(bm, (32, 64, 128) + ((256,) if bm >= 64 else ()), 2, elem, smem)
+        if bm >= 64:  # large routings: the unfused gate/up (one accumulator, wider tiles) as well
+            ups += tile_grid(bm, (64, 128, 256), 1, elem, smem, split_act=True)
         up = min(ups, key=lambda c: timed((c, down)))
         downs = tile_grid(bm, (64, 128, 256), 1, elem, smem)
         down = min(downs, key=lambda c: timed((up, c)))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from vllm.model_executor.layers.fused_moe import MoEActivation, fused_experts, grouped_topk, moe_align_block_size
-from vllm.model_executor.layers.fused_moe.fused_moe import GemmConfig, pick_config, pipelined_smem_bytes
+from vllm.model_executor.layers.fused_moe.fused_moe import (GemmConfig, pick_config, pipelined_smem_bytes,
+                                                            up_b_tiles)
 from vllm.model_executor.layers.fused_moe.tile_configs import (CONFIG_DIR, config_file_name, load_table,
                                                                table_to_json, tuned_config)
 from vllm.model_executor.models.kimi_k3 import moe as moe_module
@@ -128,9 +129,11 @@ def test_degenerate_routings(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_expert_map_skips_other_ranks_experts(device):
+@pytest.mark.parametrize("split_act", [False, True])
+def test_expert_map_skips_other_ranks_experts(device, split_act):
     """Expert parallelism: this rank holds global experts [4, 12) of 16; a choice of another rank's expert adds
-    nothing, in the fused kernels and in the torch loop alike (and is not computed on a stand-in expert)."""
+    nothing, in the fused kernels (the unfused gate/up too, which leaves such rows unwritten) and in the torch
+    loop alike (and is not computed on a stand-in expert)."""
     gen = torch.Generator().manual_seed(11)
     D, inter, E, local, start, T, k = 32, 16, 16, 8, 4, 23, 4
     w13, w2 = make_experts(local, D, inter, torch.float32, device, gen)
@@ -141,8 +144,12 @@ def test_expert_map_skips_other_ranks_experts(device):
     mine = (ids >= start) & (ids < start + local)
     assert mine.any() and not mine.all()
     ref = reference(x, w13, w2, weights * mine, (ids - start).clamp(0, local - 1), ACTIVATIONS[0])
-    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), ACTIVATIONS[0], expert_map=expert_map.to(device))
+    tiles = (GemmConfig(16, 32, 32, 4, 2, split_act=True), GemmConfig(16, 32, 32, 4, 2)) if split_act else None
+    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), ACTIVATIONS[0], expert_map=expert_map.to(device),
+                      tiles=tiles)
     torch.testing.assert_close(y.double().cpu(), ref, rtol=1e-4, atol=1e-4)
+    if split_act:
+        return
     sorted_pairs, _, num_padded = moe_align_block_size(expert_map[ids].to(device), 16, local)
     used = sorted_pairs[:int(num_padded.item())].cpu()
     assert set(used[used < T * k].tolist()) == set(mine.flatten().nonzero().flatten().tolist())
@@ -257,19 +264,22 @@ def test_tiles_that_fit_are_kept_as_tuned():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", [(GemmConfig(16, 16, 32, 4, 2), GemmConfig(16, 32, 16, 4, 3)),
-                                   (GemmConfig(32, 32, 16, 4, 2), GemmConfig(32, 16, 32, 4, 2))],
-                         ids=["bm16", "bm32"])
-def test_explicit_tiles_give_the_same_experts(device, tiles):
-    """The tuner times candidate tiles through `tiles=`: every candidate must compute the same function."""
+@pytest.mark.parametrize("tiles,act", [
+    ((GemmConfig(16, 16, 32, 4, 2), GemmConfig(16, 32, 16, 4, 3)), ACTIVATIONS[0]),
+    ((GemmConfig(32, 32, 16, 4, 2), GemmConfig(32, 16, 32, 4, 2)), ACTIVATIONS[0]),
+    ((GemmConfig(16, 32, 32, 4, 2, split_act=True), GemmConfig(16, 32, 16, 4, 3)), ACTIVATIONS[0]),
+    ((GemmConfig(32, 64, 16, 4, 2, split_act=True), GemmConfig(32, 16, 32, 4, 2)), ACTIVATIONS[1])],
+    ids=["bm16", "bm32", "bm16-split_act", "bm32-split_act-situ"])
+def test_explicit_tiles_give_the_same_experts(device, tiles, act):
+    """The tuner times candidate tiles through `tiles=`: every candidate, the unfused gate/up (split_act) among
+    them, must compute the same function."""
     gen = torch.Generator().manual_seed(11)
     D, inter, E, T, k = 64, 48, 8, 21, 3  # neither width a multiple of every tile: the masks are exercised
     w13, w2 = make_experts(E, D, inter, torch.float32, device, gen)
     x = torch.randn(T, D, generator=gen).to(device)
     weights, ids = random_routing(T, E, k, gen)
-    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), ACTIVATIONS[0], tiles=tiles)
-    torch.testing.assert_close(y.double().cpu(), reference(x, w13, w2, weights, ids, ACTIVATIONS[0]),
-                               rtol=1e-4, atol=1e-4)
+    y = fused_experts(x, w13, w2, weights.to(device), ids.to(device), act, tiles=tiles)
+    torch.testing.assert_close(y.double().cpu(), reference(x, w13, w2, weights, ids, act), rtol=1e-4, atol=1e-4)
 
 
 def _write_table(directory, name, table):
@@ -299,6 +309,9 @@ def test_malformed_tile_tables_are_refused_by_name(tmp_path):
     _write_table(tmp_path, name, {16: (GemmConfig(16, 32, 64, 4, 3), GemmConfig(32, 32, 64, 4, 3))})
     with pytest.raises(ValueError, match="share block_m"):
         tuned_config(16, 8, 32, 64, torch.float32, torch.device("cpu"), tmp_path)
+    _write_table(tmp_path, name, {16: (GemmConfig(16, 32, 64, 4, 3), GemmConfig(16, 32, 64, 4, 3, split_act=True))})
+    with pytest.raises(ValueError, match="split_act applies to the up tiles only"):
+        tuned_config(16, 8, 32, 64, torch.float32, torch.device("cpu"), tmp_path)
 
 
 def test_shipped_tile_tables_parse_and_fit_hopper():
@@ -309,4 +322,5 @@ def test_shipped_tile_tables_parse_and_fit_hopper():
         table = load_table(f.name)
         elem = 4 if "dtype=fp32" in f.name else 2
         for up, down in table.values():
-            assert pipelined_smem_bytes(up, 2, elem) <= 232_448 and pipelined_smem_bytes(down, 1, elem) <= 232_448
+            assert pipelined_smem_bytes(up, up_b_tiles(up), elem) <= 232_448
+            assert pipelined_smem_bytes(down, 1, elem) <= 232_448

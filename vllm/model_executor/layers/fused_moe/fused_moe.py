@@ -1,7 +1,8 @@
 """fused_experts: the routed experts of a MoE layer as three Triton launches that read only the chosen experts.
 
 1. `moe_align_block_size`: the (token, expert) pairs grouped by expert on the device (one launch);
-2. gate/up GEMM with the gated activation fused, over the sorted pairs (one launch);
+2. gate/up GEMM with the gated activation fused, over the sorted pairs (one launch; or, where the tuned tiles
+   say `split_act`, one GEMM over all 2I columns and the activation after it: two launches);
 3. down GEMM scaled by the routing weights (one launch), then a sum over each token's top_k rows.
 
 A shared expert as wide as a routed one can ride along as expert E, chosen by every token with weight 1
@@ -90,7 +91,13 @@ def choose_tiles(tokens: int, top_k: int, num_experts: int, inter: int, hidden: 
     if tuned is None:
         return pick_config(tokens * top_k, num_experts, inter, hidden, num_sms(x.device), x.element_size(), smem)
     up, down = tuned
-    return fit_shared_memory(up, 2, x.element_size(), smem), fit_shared_memory(down, 1, x.element_size(), smem)
+    return (fit_shared_memory(up, up_b_tiles(up), x.element_size(), smem),
+            fit_shared_memory(down, 1, x.element_size(), smem))
+
+
+def up_b_tiles(cfg: GemmConfig) -> int:
+    """B tiles the gate/up kernel loads per step: a gate and an up tile fused, one of the 2I columns split."""
+    return 1 if cfg.split_act else 2
 
 
 def pipelined_smem_bytes(cfg: GemmConfig, b_tiles: int, elem_size: int) -> int:
@@ -173,6 +180,18 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, nu
     return weights, ids
 
 
+def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                 sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, cfg: GemmConfig,
+                 precision: str, a_row_div: int, scale: bool) -> None:
+    """out[pair] = a[pair // a_row_div] . w[expert]^T (times the pair's routing weight with `scale`)."""
+    N, K = w.shape[1], w.shape[2]
+    kernels._expert_gemm_kernel[(block_expert.numel(), _cdiv(N, cfg.block_n))](
+        a, w, out, weights, sorted_pairs, block_expert, num_padded, out.shape[0], K, N,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div, SCALE=scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: MoEActivation = MoEActivation(),
                   tiles: tuple[GemmConfig, GemmConfig] | None = None,
@@ -201,19 +220,27 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     max_blocks = block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    kernels._gate_up_act_kernel[(max_blocks, _cdiv(inter, up_cfg.block_n))](
-        x, w13, act, sorted_pairs, block_expert, num_padded, num_pairs, D, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), activation.situ_beta, activation.situ_linear_beta,
-        TOP_K=top_k, ACT=kernels.ACT_SITU if activation.name == "situ" else kernels.ACT_SILU,
-        BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, PRECISION=precision,
-        LIBDEVICE=x.is_cuda, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+    act_id = kernels.ACT_SITU if activation.name == "situ" else kernels.ACT_SILU
+    if up_cfg.split_act:
+        # A skipped choice's gate/up row is never written, and its activation never read.
+        gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
+        _expert_gemm(x, w13, gate_up, weights, sorted_pairs, block_expert, num_padded, up_cfg, precision,
+                     a_row_div=top_k, scale=False)
+        block = min(1024, _next_power_of_2(inter))
+        kernels._act_kernel[(num_pairs, _cdiv(inter, block))](
+            gate_up, act, inter, gate_up.stride(0), act.stride(0), activation.situ_beta, activation.situ_linear_beta,
+            ACT=act_id, BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=4)
+    else:
+        kernels._gate_up_act_kernel[(max_blocks, _cdiv(inter, up_cfg.block_n))](
+            x, w13, act, sorted_pairs, block_expert, num_padded, num_pairs, D, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), activation.situ_beta,
+            activation.situ_linear_beta, TOP_K=top_k, ACT=act_id,
+            BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, PRECISION=precision,
+            LIBDEVICE=x.is_cuda, num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
     # a skipped choice's row is never written: zero, so the sum over choices holds
     out = (torch.empty if expert_map is None else torch.zeros)(num_pairs, D, dtype=x.dtype, device=x.device)
-    kernels._down_kernel[(max_blocks, _cdiv(D, down_cfg.block_n))](
-        act, w2, out, weights, sorted_pairs, block_expert, num_padded, num_pairs, inter, D,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, PRECISION=precision,
-        num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
+    _expert_gemm(act, w2, out, weights, sorted_pairs, block_expert, num_padded, down_cfg, precision,
+                 a_row_div=1, scale=True)
     if out_dtype == out.dtype:  # torch's sum of bf16/fp16 accumulates in float32 and rounds once: one launch
         return out.view(T, top_k, D).sum(1)
     return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(out_dtype)

@@ -77,6 +77,15 @@ def _tanh(x, LIBDEVICE: tl.constexpr):
     return 2.0 * _sigmoid(2.0 * x) - 1.0
 
 
+@triton.jit
+def _gate(g, u, situ_beta, situ_linear_beta, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The experts' gated activation of fp32 gate and up values: SiLU(g) * u, or SiTU's soft-capped form."""
+    if ACT == ACT_SITU:
+        return (situ_beta * _tanh(g / situ_beta, LIBDEVICE) * _sigmoid(g)
+                * (situ_linear_beta * _tanh(u / situ_linear_beta, LIBDEVICE)))
+    return g * _sigmoid(g) * u
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_act_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                         K, INTER, stride_xm, stride_we, stride_wn, stride_om, situ_beta, situ_linear_beta,
@@ -105,29 +114,28 @@ def _gate_up_act_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_expert_
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if ACT == ACT_SITU:
-        act = (situ_beta * _tanh(acc_g / situ_beta, LIBDEVICE) * _sigmoid(acc_g)
-               * (situ_linear_beta * _tanh(acc_u / situ_linear_beta, LIBDEVICE)))
-    else:
-        act = acc_g * _sigmoid(acc_g) * acc_u
+    act = _gate(acc_g, acc_u, situ_beta, situ_linear_beta, ACT, LIBDEVICE)
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
-                 num_pairs, K, N, stride_am, stride_we, stride_wn, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, n] = weight[pair] * (a[pair] . w2[e, n]): each pair's expert output, scaled by its routing
-    weight; the caller sums a token's top_k rows (no atomics, so results do not depend on scheduling)."""
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                        num_pairs, K, N, stride_am, stride_we, stride_wn, stride_om,
+                        A_ROW_DIV: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair, n] = a[pair // A_ROW_DIV] . w[e, n], times weight[pair] with SCALE. The down GEMM (a: the
+    activations, one row per pair, scaled by the routing weights; the caller sums a token's top_k rows, no
+    atomics, so results do not depend on scheduling) and, for large routings, the gate/up GEMM over all 2I
+    columns with one accumulator (a: the tokens, A_ROW_DIV = top_k; `_act_kernel` then gates)."""
     pairs, ok, expert = _block_rows(sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + pairs.to(tl.int64)[:, None] * stride_am + k[None, :]
-    b_ptrs = w2_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + k < K
@@ -136,9 +144,24 @@ def _down_kernel(a_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_ex
                      input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc *= tl.load(weights_ptr + pairs, mask=ok, other=0.0)[:, None]
+    if SCALE:
+        acc *= tl.load(weights_ptr + pairs, mask=ok, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _act_kernel(gate_up_ptr, out_ptr, INTER, stride_g, stride_o, situ_beta, situ_linear_beta,
+                ACT: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """out[pair] = act(gate_up[pair, :INTER], gate_up[pair, INTER:]): the gating of the unfused gate/up path,
+    the same function as the fused kernel's, on the GEMM's rounded outputs."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < INTER
+    g = tl.load(gate_up_ptr + row * stride_g + n, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * stride_g + INTER + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + n, _gate(g, u, situ_beta, situ_linear_beta, ACT, LIBDEVICE)
+             .to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -24,6 +24,9 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # gate/up only: one GEMM over all 2I columns, then the activation in its own launch, instead of the fused
+    # kernel's two accumulators (their registers cap its tiles: large routings can run faster unfused)
+    split_act: bool = False
 
 
 @functools.lru_cache
@@ -52,9 +55,12 @@ def load_table(name: str, directory: Path = CONFIG_DIR) -> dict[int, tuple[GemmC
         table = {int(t): (GemmConfig(**e["up"]), GemmConfig(**e["down"])) for t, e in raw.items()}
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"fused MoE tile config {path} is malformed ({type(e).__name__}: {e}); expected "
-                         '{"<tokens>": {"up": {block_m, block_n, block_k, num_warps, num_stages}, "down": {...}}}')
+                         '{"<tokens>": {"up": {block_m, block_n, block_k, num_warps, num_stages[, split_act]}, '
+                         '"down": {...}}}')
     if any(up.block_m != down.block_m for up, down in table.values()):
         raise ValueError(f"fused MoE tile config {path}: up and down tiles must share block_m (one sorted layout)")
+    if any(down.split_act for _, down in table.values()):
+        raise ValueError(f"fused MoE tile config {path}: split_act applies to the up tiles only")
     return table or None
 
 
