@@ -184,6 +184,7 @@ def main() -> None:
                     report["sweep"].append({"shape": shape, "tokens": T, "up": asdict(up), "down": asdict(down),
                                             "us": us})
                     print(f"  sweep {shape} T={T} up={asdict(up)} down_bn={down.block_n}: {us:.1f} us")
+                    write_json(args.out, report)  # a run cut short keeps what it swept
             write_json(args.out, report)
     print(write_json(args.out, report))
 

@@ -90,3 +90,20 @@ def test_merged_weights_are_views_and_give_the_same_outputs():
     assert not merged[8:13].any() and merged[:8].abs().sum() > 0
     with pytest.raises(ValueError, match="bias-free"):
         merge_linear_weights(nn.Linear(4, 4))
+
+
+def test_merged_weights_pad_to_aligned_rows():
+    """pad_to adds zero rows after the last layer's, so every column slice of the output keeps aligned rows."""
+    gen = torch.Generator().manual_seed(4)
+    layers = [nn.Linear(8, n, bias=False) for n in (6, 3)]
+    for layer in layers:
+        layer.weight.data = torch.randn(layer.weight.shape, generator=gen)
+    x = torch.randn(5, 8, generator=gen)
+    want = [layer(x) for layer in layers]
+    merged = merge_linear_weights(*layers, pad_to=8)
+    assert merged.shape == (16, 8) and not merged[9:].any()
+    out = nn.functional.linear(x, merged)
+    assert out.stride(0) % 8 == 0
+    for g, w in zip(out.split([6, 3, 7], dim=-1), want):
+        torch.testing.assert_close(g, w)
+    assert merge_linear_weights(nn.Linear(8, 8, bias=False), pad_to=8).shape == (8, 8), "aligned: no padding"

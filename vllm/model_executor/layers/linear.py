@@ -4,12 +4,16 @@ import torch
 from torch import nn
 
 
-def merge_linear_weights(*layers: nn.Linear) -> torch.Tensor:
+def merge_linear_weights(*layers: nn.Linear, pad_to: int = 1) -> torch.Tensor:
     """The layers' weights stacked along the output dim, [sum of out_features, in_features]; each layer's weight
-    becomes a view into it, so the checkpoint names still address it and no second copy is kept."""
+    becomes a view into it, so the checkpoint names still address it and no second copy is kept. `pad_to`: zero
+    rows after the last layer's, up to a multiple of it (8 keeps the output's rows 16-byte aligned in bf16, so
+    that column slices of it stay aligned for the kernels that read them in place)."""
     if any(layer.bias is not None for layer in layers):
         raise ValueError("merge_linear_weights merges bias-free projections only")
-    merged = torch.cat([layer.weight.data for layer in layers])
+    weights = [layer.weight.data for layer in layers]
+    pad = -sum(w.shape[0] for w in weights) % pad_to
+    merged = torch.cat(weights + [weights[0].new_zeros(pad, weights[0].shape[1])] if pad else weights)
     start = 0
     for layer in layers:
         n = layer.out_features

@@ -55,28 +55,29 @@ class KimiDeltaAttention(nn.Module):
         self.ssm_state: torch.Tensor | None = None
         self.records = None  # RecoverSSM's per-token records (attention/kda/recover.py), when it is on
         self.conv_weight: torch.Tensor | None = None
-        self.qkv_weight: torch.Tensor | None = None  # [3P, D] and [K or 2K, D], set after loading
-        self.gate_a_weight: torch.Tensor | None = None
+        self.in_proj_weight: torch.Tensor | None = None  # every projection of x but o_proj's, set after loading
+        self.in_proj_split: list[int] = []
 
     def process_weights_after_loading(self) -> None:
         # Backends read the q/k/v conv weights as one [3P, W] tensor, matching the packed q/k/v channels.
         self.conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).detach()
-        # Two GEMMs where there were a cat and five (q, k, v, f_a, g_a): mixed_qkv comes out contiguous, as every
-        # backend reads it; the gates' low-rank inputs are column slices, which the b-side GEMMs read in place.
-        self.qkv_weight = merge_linear_weights(self.q_proj, self.k_proj, self.v_proj)
-        gates = (self.f_a_proj,) + (() if hasattr(self, "g_proj") else (self.g_a_proj,))
-        self.gate_a_weight = merge_linear_weights(*gates)
+        # One GEMM where there were six (q, k, v, f_a, g_a or g, b): each result is a column slice of its output,
+        # which the backends (rows by stride) and the b-side GEMMs read in place.
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)
+        self.in_proj_weight = merge_linear_weights(*parts, pad_to=8)
+        widths = [3 * self.q_proj.out_features, self.head_dim, gate.out_features, self.num_heads]
+        self.in_proj_split = widths + [self.in_proj_weight.shape[0] - sum(widths)]  # the last: alignment padding
 
     # The mixer in three parts, so that piecewise CUDA graphs (vllm/worker/piecewise.py) can capture the
     # projections and run only the stateful core eagerly: forward = output(attend(project(x)), x).
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(mixed_qkv, raw_gate, raw_beta, output_gate), the core's inputs."""
-        assert self.qkv_weight is not None, "KimiDeltaAttention.process_weights_after_loading() was not run"
-        mixed_qkv = nn.functional.linear(x, self.qkv_weight)
-        gate_a = nn.functional.linear(x, self.gate_a_weight)
-        K = self.head_dim
-        output_gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(gate_a[..., K:])
-        return mixed_qkv, self.f_b_proj(gate_a[..., :K]), self.b_proj(x), output_gate
+        """(mixed_qkv, raw_gate, raw_beta, output_gate), the core's inputs (column slices of one GEMM's output,
+        rows strided, but for raw_gate)."""
+        assert self.in_proj_weight is not None, "KimiDeltaAttention.process_weights_after_loading() was not run"
+        mixed_qkv, f_a, gate, raw_beta, _ = nn.functional.linear(x, self.in_proj_weight).split(self.in_proj_split, -1)
+        output_gate = gate if hasattr(self, "g_proj") else self.g_b_proj(gate)
+        return mixed_qkv, self.f_b_proj(f_a), raw_beta, output_gate
 
     def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:
         assert self.conv_state is not None and self.ssm_state is not None, "KDA state pools are not bound"

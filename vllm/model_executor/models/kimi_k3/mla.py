@@ -9,6 +9,7 @@ from torch import nn
 from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import merge_linear_weights
 from vllm.transformers_utils.configs.kimi_k3 import KimiK3TextConfig
 
 
@@ -38,15 +39,23 @@ class KimiMLAAttention(nn.Module):
             self.g_proj = nn.Linear(D, H * config.v_head_dim, bias=False)
         self.o_proj = nn.Linear(H * config.v_head_dim, D, bias=False)
         self.kv_cache: torch.Tensor | None = None  # bound by the engine: [blocks, block_size, L + R]
+        self.in_proj_weight: torch.Tensor | None = None  # q (or q_a) and kv_a as one GEMM, set after loading
+        self.in_proj_split: list[int] = []
+
+    def process_weights_after_loading(self) -> None:
+        # One GEMM where there were two: q (q_a with a q LoRA) and the latent's kv_a both read x.
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        self.in_proj_weight = merge_linear_weights(first, self.kv_a_proj_with_mqa, pad_to=8)
+        widths = [first.out_features, self.kv_lora_rank, self.mla_rope_dim]
+        self.in_proj_split = widths + [self.in_proj_weight.shape[0] - sum(widths)]  # the last: alignment padding
 
     # In three parts as KDA's mixer is (piecewise CUDA graphs): forward = output(attend(project(x)), x).
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q [T, H, qk_head_dim], latent [T, kv_lora_rank + rope dim]), the core's inputs."""
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        c_kv, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.mla_rope_dim], dim=-1)
+        assert self.in_proj_weight is not None, "KimiMLAAttention.process_weights_after_loading() was not run"
+        q, c_kv, k_r, _ = nn.functional.linear(x, self.in_proj_weight).split(self.in_proj_split, -1)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         return q.unflatten(-1, (self.num_heads, self.qk_head_dim)), torch.cat([self.kv_a_layernorm(c_kv), k_r], dim=-1)
 
     def attend(self, inputs: tuple[torch.Tensor, ...], attn_metadata: Any) -> torch.Tensor:

@@ -240,7 +240,6 @@ class KimiK3ForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         for layer in self.model.layers:
-            if layer.is_kda:
-                layer.self_attn.process_weights_after_loading()
+            layer.self_attn.process_weights_after_loading()
             ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
             ffn.process_weights_after_loading()
