@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import merge_linear_weights
+from vllm.model_executor.layers.linear import merge_linear_weights, stack_linear_weights
 
 layernorm_kernels = pytest.importorskip("vllm.model_executor.layers.layernorm_kernels")
 
@@ -107,3 +107,20 @@ def test_merged_weights_pad_to_aligned_rows():
     for g, w in zip(out.split([6, 3, 7], dim=-1), want):
         torch.testing.assert_close(g, w)
     assert merge_linear_weights(nn.Linear(8, 8, bias=False), pad_to=8).shape == (8, 8), "aligned: no padding"
+
+
+def test_stacked_weights_are_views_for_one_batched_gemm():
+    gen = torch.Generator().manual_seed(5)
+    layers = [nn.Linear(4, 6, bias=False) for _ in range(2)]
+    for layer in layers:
+        layer.weight.data = torch.randn(layer.weight.shape, generator=gen)
+    x = torch.randn(3, 8, generator=gen)
+    want = [layers[0](x[:, :4]), layers[1](x[:, 4:])]
+    stacked = stack_linear_weights(*layers)
+    got = torch.bmm(x.unflatten(-1, (2, 4)).transpose(0, 1), stacked.transpose(1, 2))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    layers[1].weight.data.zero_()
+    assert not stacked[1].any() and stacked[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="one shape"):
+        stack_linear_weights(nn.Linear(4, 4, bias=False), nn.Linear(4, 5, bias=False))

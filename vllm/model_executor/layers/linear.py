@@ -20,3 +20,14 @@ def merge_linear_weights(*layers: nn.Linear, pad_to: int = 1) -> torch.Tensor:
         layer.weight.data = merged[start:start + n]
         start += n
     return merged
+
+
+def stack_linear_weights(*layers: nn.Linear) -> torch.Tensor:
+    """Same-shaped layers' weights as one [n, out_features, in_features] tensor for a batched GEMM (projections of
+    different inputs); each layer's weight becomes a view into it, as merge_linear_weights leaves them."""
+    if any(layer.bias is not None for layer in layers) or len({layer.weight.shape for layer in layers}) != 1:
+        raise ValueError("stack_linear_weights stacks bias-free projections of one shape only")
+    stacked = torch.stack([layer.weight.data for layer in layers])
+    for i, layer in enumerate(layers):
+        layer.weight.data = stacked[i]
+    return stacked
