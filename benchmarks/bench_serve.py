@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
     result = {**metadata("cpu"), "note": "device/threads describe the client machine, not the server",
               "config": config, "summary": summary,
-              "requests": [{k: r.get(k) for k in ("prompt_len", "max_tokens", "output_tokens", "ttft", "e2e",
+              # start: the send time on the client's monotonic clock (one clock for all its processes)
+              "requests": [{k: r.get(k) for k in ("prompt_len", "max_tokens", "output_tokens", "start", "ttft", "e2e",
                                                   "chunks", "error")} for r in recs]}
     path = write_json(args.out, result)
     png = path.with_suffix(".png")

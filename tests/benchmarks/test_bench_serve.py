@@ -19,6 +19,7 @@ class Stub(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.fail_every, self.delay, self.usage, self.no_text = fail_every, delay, usage, no_text
         self.count, self.lock, self.bodies = 0, threading.Lock(), []
+        self.in_flight = self.max_in_flight = 0
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -51,6 +52,17 @@ class Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions" or (srv.fail_every and n % srv.fail_every == 0):
             self.send_json(400, {"error": {"message": "stub refuses this one", "type": "BadRequestError"}})
             return
+        with srv.lock:
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        try:
+            self.stream(body)
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
+
+    def stream(self, body: dict) -> None:
+        srv = self.server
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
@@ -196,3 +208,15 @@ def test_requests_spread_over_client_processes(stub, tmp_path):
     client = s["client"]
     assert client["processes"] == 3 and client["cpu_s"] > 0 and 0 < client["max_process_cpu_util"]
     assert s["duration_s"] > 0 and s["ttft_ms"]["n"] == 10
+
+
+@pytest.mark.parametrize("stub", [{"delay": 0.03}], indirect=True)
+def test_client_processes_start_together(stub, tmp_path):
+    """Client processes import at different speeds: they wait for each other before the first request, so the
+    load reaches max_concurrency at once and the wall time does not count one process's head start."""
+    res = bench_serve.main(["--base-url", url(stub), "--num-prompts", "6", "--max-concurrency", "6",
+                            "--input-len", "8", "--output-len", "10", "--client-processes", "3",
+                            "--out", str(tmp_path / "t.json")])
+    assert res["summary"]["completed"] == 6 and stub.max_in_flight == 6
+    firsts = [min(r["start"] for r in res["requests"][i::3]) for i in range(3)]
+    assert max(firsts) - min(firsts) < 0.1, f"processes started {max(firsts) - min(firsts):.2f} s apart"

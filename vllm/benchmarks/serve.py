@@ -21,6 +21,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -100,9 +101,10 @@ async def first_model(client: httpx.AsyncClient, base: str) -> str:
 
 
 async def run_load(base: str, endpoint: str, model: str | None, prompts, request_rate: float, max_concurrency: int,
-                   seed: int, timeout: float, every_token: bool = False,
-                   ignore_eos: bool = True) -> tuple[list[dict], float, str]:
-    """(per-request records, wall seconds, model name) for one run of `prompts`."""
+                   seed: int, timeout: float, every_token: bool = False, ignore_eos: bool = True,
+                   ready: Callable[[], object] | None = None) -> tuple[list[dict], float, str]:
+    """(per-request records, wall seconds, model name) for one run of `prompts`. `ready` (blocking) runs just
+    before the first request: the client processes' start barrier."""
     rng = random.Random(seed + 1)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     recs: list[dict] = [{} for _ in prompts]
@@ -116,6 +118,8 @@ async def run_load(base: str, endpoint: str, model: str | None, prompts, request
             async with sem:
                 await one_request(client, base + endpoint, model, *p, recs[i], every_token, ignore_eos)
 
+        if ready is not None:
+            ready()
         t_start = time.perf_counter()
         tasks = []
 
@@ -137,18 +141,22 @@ async def run_load(base: str, endpoint: str, model: str | None, prompts, request
     return recs, duration, model
 
 
+START_TIMEOUT_S = 300.0  # for every client process to be ready; one that died breaks the barrier for all
+
+
 def default_client_processes() -> int:
     """A quarter of the machine's cores, 1 to 4: enough clients for 64+ streams on a GPU host, one on a small
     box where the server needs the cores."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def _client_process(conn, base: str, endpoint: str, model: str, prompts, request_rate: float,
+def _client_process(conn, start, base: str, endpoint: str, model: str, prompts, request_rate: float,
                     max_concurrency: int, seed: int, timeout: float, every_token: bool, ignore_eos: bool) -> None:
     cpu0 = time.process_time()
     try:
         recs, duration, _ = asyncio.run(run_load(base, endpoint, model, prompts, request_rate, max_concurrency,
-                                                 seed, timeout, every_token, ignore_eos))
+                                                 seed, timeout, every_token, ignore_eos,
+                                                 ready=lambda: start.wait(START_TIMEOUT_S)))
         conn.send((recs, duration, time.process_time() - cpu0, None))
     except BaseException as e:  # noqa: BLE001 -- the parent reports it; a worker never hangs the run
         conn.send(([], 0.0, time.process_time() - cpu0, f"{type(e).__name__}: {e}"))
@@ -173,13 +181,16 @@ def run_load_processes(base: str, endpoint: str, model: str | None, prompts, req
         cpu = time.process_time() - cpu0
         return recs, duration, model, {"processes": 1, "cpu_s": cpu, "max_process_cpu_util": cpu / duration}
     ctx = multiprocessing.get_context("spawn")
+    # Each process imports for a second or more, and not all equally fast: without a common start the first
+    # ones run alone for a while, the load never reaches max_concurrency and the wall time counts the stagger.
+    start = ctx.Barrier(n)
     procs, conns = [], []
     for i in range(n):
         conc = 0 if max_concurrency <= 0 else max_concurrency // n + (i < max_concurrency % n)
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_client_process, daemon=True,
-                        args=(send, base, endpoint, model, prompts[i::n], request_rate / n, conc, seed + 1000 * i,
-                              timeout, every_token, ignore_eos))
+                        args=(send, start, base, endpoint, model, prompts[i::n], request_rate / n, conc,
+                              seed + 1000 * i, timeout, every_token, ignore_eos))
         p.start()
         send.close()
         procs.append(p)
