@@ -11,6 +11,10 @@ unconstrained and once held to a JSON schema: an object whose one string field m
 The mask is then that of the inside of a JSON string, the state most of a JSON answer's tokens are sampled in.
 The two runs alternate --repeats times (a warm-up each first, which also compiles the grammar); the figure is
 the median tok/s of each and their ratio. Prefix caching is off, as the prompts repeat across runs.
+
+Each timed run also records where the engine's host time went, per step: engine.step() itself, its waits for
+the device (the drains' event waits), and with a schema the grammar work (bitmask fills, matcher advances), so
+that a cost can be told apart as host work, waiting, or device time.
 """
 from __future__ import annotations
 
@@ -34,6 +38,54 @@ from vllm.assets import DEFAULT_MODEL_DIR
 def schema(output_len: int) -> dict:
     return {"type": "object", "properties": {"text": {"type": "string", "minLength": 8 * output_len}},
             "required": ["text"]}
+
+
+class StepTimes:
+    """Wall seconds spent in the wrapped methods, and their calls, over one run."""
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.engine = engine
+        for owner, name in ((engine, "step"), (engine.structured, "grammar_bitmask"), (engine.structured, "advance")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.engine._waited_total = 0.0
+
+    def per_step_us(self) -> dict:
+        steps = max(1, self.calls.get("step", 0))
+        out = {"steps": self.calls.get("step", 0)}
+        out.update({f"{k}_us_per_step": 1e6 * v / steps for k, v in self.seconds.items()})
+        out["device_wait_us_per_step"] = 1e6 * self.engine._waited_total / steps
+        return out
+
+
+def count_waits(engine) -> None:
+    """Sums the drains' waits for the device (LLMEngine._drain adds each to _waited, reset every step)."""
+    engine._waited_total = 0.0
+    drain = engine._drain
+
+    def drained():
+        before = engine._waited
+        out = drain()
+        engine._waited_total += engine._waited - before
+        return out
+    engine._drain = drained
 
 
 def main() -> None:
@@ -62,16 +114,21 @@ def main() -> None:
     plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     json_params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                  structured_outputs={"json": schema(args.output_len)})
+    engine = llm.llm_engine
+    count_waits(engine)
+    step_times = StepTimes(engine)
     rows = []
     for batch in sizes:
         prompts = [{"prompt_token_ids": torch.randint(5, cfg["vocab_size"], (args.prompt_len,),
                                                       generator=gen).tolist()} for _ in range(batch)]
         times: dict[str, list[float]] = {"plain": [], "json": []}
+        breakdown: dict[str, list[dict]] = {"plain": [], "json": []}
         tokens = {}
         for i in range(args.repeats + 1):
             for name, params in (("plain", plain), ("json", json_params)):
                 if args.device == "cuda":
                     torch.cuda.synchronize()
+                step_times.reset()
                 start = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 elapsed = time.perf_counter() - start
@@ -82,11 +139,15 @@ def main() -> None:
                 tokens[name] = n
                 if i:  # the first round warms up (and compiles the grammar)
                     times[name].append(n / elapsed)
-        row = {"batch_size": batch, "tokens": tokens, **{f"{k}_tok_s": stats(v) for k, v in times.items()}}
+                    breakdown[name].append(step_times.per_step_us())
+        row = {"batch_size": batch, "tokens": tokens, **{f"{k}_tok_s": stats(v) for k, v in times.items()},
+               "host_per_step": {k: v[len(v) // 2] for k, v in breakdown.items()}}
         row["json_over_plain"] = row["json_tok_s"]["median"] / row["plain_tok_s"]["median"]
         rows.append(row)
         print(f"batch {batch:>3}: plain {row['plain_tok_s']['median']:9.1f} tok/s, JSON schema "
               f"{row['json_tok_s']['median']:9.1f} tok/s: {row['json_over_plain']:.3f}x", flush=True)
+        for name, b in row["host_per_step"].items():
+            print(f"    {name:5}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items()), flush=True)
     path = write_json(args.out, {**meta, "benchmark": "structured_outputs",
                                  "config": {**vars(args), "model_config": cfg}, "results": rows})
     print(f"wrote {path}")
