@@ -13,8 +13,11 @@ The two runs alternate --repeats times (a warm-up each first, which also compile
 the median tok/s of each and their ratio. Prefix caching is off, as the prompts repeat across runs.
 
 Each timed run also records where the engine's host time went, per step: engine.step() itself, its waits for
-the device (the drains' event waits), and with a schema the grammar work (bitmask fills, matcher advances), so
-that a cost can be told apart as host work, waiting, or device time.
+the device (the drains' event waits), the outputs' processing (detokenization, stop checks), and with a schema
+the grammar work (bitmask fills, matcher advances), so that a cost can be told apart as host work, waiting, or
+device time. A random checkpoint's plain outputs are ids the built-in tokenizer decodes to nothing, while the
+constrained ones are JSON text: `--no-detokenize` runs both without detokenization, so that the ratio is the
+grammar's alone (the JSON check then decodes the ids afterwards).
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ class StepTimes:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.engine = engine
-        for owner, name in ((engine, "step"), (engine.structured, "grammar_bitmask"), (engine.structured, "advance")):
+        for owner, name in ((engine, "step"), (engine.structured, "grammar_bitmask"), (engine.structured, "advance"),
+                            (engine.output_processor, "process")):
             self._wrap(owner, name)
 
     def _wrap(self, owner, name: str) -> None:
@@ -95,6 +99,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-detokenize", action="store_true",
+                    help="both runs with detokenize=False (plain random outputs decode to nothing, JSON ones do not)")
     ap.add_argument("--out", default="benchmarks/results/cpu/structured_outputs_cpu.json")
     args = ap.parse_args()
     meta = metadata(args.device)
@@ -111,9 +117,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     # Neither kind can stop early: ignore_eos holds the plain ones (which keep the fastest path, the argmax in the
     # decode graph), minLength the constrained ones.
-    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    json_params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+    detok = not args.no_detokenize
+    plain = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=detok)
+    json_params = SamplingParams(temperature=0.0, max_tokens=args.output_len, detokenize=detok,
                                  structured_outputs={"json": schema(args.output_len)})
+    tokenizer = llm.get_tokenizer()
     engine = llm.llm_engine
     count_waits(engine)
     step_times = StepTimes(engine)
@@ -134,8 +142,9 @@ def main() -> None:
                 elapsed = time.perf_counter() - start
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 if name == "json":
-                    assert all(o.outputs[0].finish_reason == "length" and o.outputs[0].text.startswith('{')
-                               for o in outs), [o.outputs[0].text[:40] for o in outs[:2]]
+                    texts = [o.outputs[0].text if detok else tokenizer.decode(o.outputs[0].token_ids) for o in outs]
+                    assert all(o.outputs[0].finish_reason == "length" and t.startswith('{')
+                               for o, t in zip(outs, texts)), [t[:40] for t in texts[:2]]
                 tokens[name] = n
                 if i:  # the first round warms up (and compiles the grammar)
                     times[name].append(n / elapsed)
