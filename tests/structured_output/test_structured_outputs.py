@@ -77,6 +77,12 @@ def test_device_mask_matches_xgrammar_kernel():
         got = apply_grammar_bitmask(logits, GrammarBitmask(rows, bitmask))
         assert torch.equal(got, want)
         assert torch.isinf(got[rows]).any() and not torch.isinf(got[[1, 3, 5]]).any()
+        # Every sampling row constrained, in order: masked without the gather, the caller's logits untouched.
+        before = logits[:3].clone()
+        got = apply_grammar_bitmask(logits[:3], GrammarBitmask(torch.arange(3), bitmask, every_row=True))
+        want = logits[:3].clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask)
+        assert torch.equal(got, want) and torch.isinf(got).any() and torch.equal(logits[:3], before)
 
 
 @pytest.mark.parametrize("so,expected", [

@@ -192,9 +192,11 @@ class StructuredOutputManager:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
             self._batch.batch_fill_next_token_bitmask([m for _, m in fill], host, [i for i, _ in fill])
+        every_row = n == len(rows)  # then rows are 0..n-1 in order
         if self.device.type != "cuda":
-            return GrammarBitmask(host_rows.clone(), host.clone()), failed
-        mask = GrammarBitmask(host_rows.to(self.device, non_blocking=True), host.to(self.device, non_blocking=True))
+            return GrammarBitmask(host_rows.clone(), host.clone(), every_row), failed
+        mask = GrammarBitmask(host_rows.to(self.device, non_blocking=True), host.to(self.device, non_blocking=True),
+                              every_row)
         staging[2] = torch.cuda.Event()
         staging[2].record()
         return mask, failed
