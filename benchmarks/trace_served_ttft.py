@@ -19,6 +19,7 @@ The offline TTFT to compare with is bench_offline_throughput.py --ttft-lens.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -86,6 +87,8 @@ def main() -> None:
     if model is None:
         model = str(work / "model")
         build_checkpoint(args, Path(model))
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab = cfg.get("text_config", cfg)["vocab_size"]
     trace = work / "events"
     trace.mkdir()
     os.environ["TTFT_TRACE"] = str(trace)
@@ -96,11 +99,10 @@ def main() -> None:
     try:
         with httpx.Client(timeout=120, trust_env=False) as client:
             model_id = client.get(url + "/v1/models").json()["data"][0]["id"]
-            vocab = client.get(url + "/v1/models").json()["data"][0].get("vocab_size") or 1000
             rng = random.Random(args.seed)
             times = []
             for i in range(args.requests + 2):  # the first two warm up
-                body = {"model": model_id, "prompt": [rng.randrange(5, min(vocab, 1000)) for _ in range(args.input_len)],
+                body = {"model": model_id, "prompt": [rng.randrange(5, vocab) for _ in range(args.input_len)],
                         "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                         "logprobs": 0}
                 t0, t_first = time.monotonic(), None
