@@ -17,7 +17,19 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
 from vllm.tools.make_tiny_model import write_tiny_model
 
 
+# The interpreter-bound files take about half of the CPU suite: under pytest-xdist (`-n 2 --dist loadfile`, one
+# file per worker) they go first, so that the other worker takes the many short files meanwhile instead of one
+# worker ending the run alone on them. Every worker orders alike, as xdist requires.
+FIRST = ("tests/worker/",)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One process per core: a worker's torch with every core's thread would oversubscribe the machine.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: file order kept otherwise
     if torch.cuda.is_available():
         # fp32 comparisons against references must not silently run in TF32.
         torch.backends.cuda.matmul.allow_tf32 = False
