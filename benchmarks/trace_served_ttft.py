@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--serve-args", default="", help="extra `vllm serve` flags, one shell-quoted string")
     ap.add_argument("--out", default="benchmarks/results/cpu/ttft_trace.json")
     args = ap.parse_args()
     meta = metadata(args.device)
@@ -86,7 +88,11 @@ def main() -> None:
     model = args.model
     if model is None:
         model = str(work / "model")
-        build_checkpoint(args, Path(model))
+        hf, _ = build_checkpoint(args, Path(model))
+        del hf  # the server needs the device's memory
+        if args.device == "cuda":
+            import torch
+            torch.cuda.empty_cache()
     cfg = json.loads((Path(model) / "config.json").read_text())
     vocab = cfg.get("text_config", cfg)["vocab_size"]
     trace = work / "events"
@@ -94,7 +100,9 @@ def main() -> None:
     os.environ["TTFT_TRACE"] = str(trace)
     hook = str(Path(__file__).resolve().parent / "ttft_trace")
     os.environ["PYTHONPATH"] = os.pathsep.join([hook] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    flags = [model, "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
+    # As the offline TTFT's engine: a short max_model_len, a few sequences.
+    flags = [model, "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed), "--max-model-len",
+             str(args.input_len + args.max_tokens + 8), "--max-num-seqs", "8", *shlex.split(args.serve_args)]
     proc, url = start_server(flags, api_key=None)
     try:
         with httpx.Client(timeout=120, trust_env=False) as client:
