@@ -8,6 +8,7 @@ import torch
 from vllm import LLM, SamplingParams
 from vllm.attention.kda.native import BLOCK_V, programs_per_head
 from vllm.core.kv_cache_manager import NULL_STATE_SLOT
+from vllm.worker.cache_sizing import last_chunk_forward
 from vllm.worker.warmup import eager_warmup_steps
 
 SHORT, RECURRENT = 16, 256
@@ -54,7 +55,7 @@ def _caches(llm):
             else (layer.self_attn.kv_cache, None, None) for layer in llm.llm_engine.runner.model.model.layers]
 
 
-def test_warm_up_touches_no_request_state():
+def test_warm_up_and_the_profiles_last_chunk_touch_no_request_state():
     # No prefix caching: the pools are overwritten below, cached prefixes included, and the prompts run again.
     llm = LLM(max_model_len=256, dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
               enable_prefix_caching=False)
@@ -68,7 +69,11 @@ def test_warm_up_touches_no_request_state():
                 pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(0)).to(pool.dtype))
     kept = [[None if p is None else p.clone() for p in pools] for pools in _caches(llm)]
     free = llm.llm_engine.kv_cache_manager.block_pool.num_free
-    llm.llm_engine.runner.warm_up_eager_steps()
+    runner = llm.llm_engine.runner
+    runner.warm_up_eager_steps()
+    # The memory profile's last chunk of a max_model_len prompt (cache_sizing.py) runs on the same harmless inputs.
+    hidden = last_chunk_forward(runner.model, runner.input_batch, runner._attn_metadata, 64, 256 - 64)
+    assert hidden.shape[0] == 64 and torch.isfinite(hidden).all()
     for old, new in zip(kept, _caches(llm)):
         kv, conv, ssm = new
         if kv is not None:

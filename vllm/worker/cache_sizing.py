@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm.attention.backend import CommonAttentionMetadata
@@ -141,10 +142,12 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
 
 @torch.inference_mode()
 def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: Callable[[int], list],
-                       attn_metadata: Callable[[CommonAttentionMetadata], object]) -> int:
-    """Peak device memory of a forward over a full token budget (one prompt, its last max_num_seqs rows' logits)
-    with caches just big enough for it (`bind_caches(num_blocks)` binds them and returns them), less those
-    caches. 0 off CUDA."""
+                       attn_metadata: Callable[[CommonAttentionMetadata], object], input_batch=None) -> int:
+    """Peak device memory of the largest step, less its caches: a full token budget as one new prompt (its last
+    max_num_seqs rows' logits), with caches just big enough for it (`bind_caches(num_blocks)` binds them and
+    returns them); and, given the runner's `input_batch`, the same budget as the last chunk of a max_model_len
+    prompt, whose MLA prefill decompresses every earlier position (unabsorbed attention: GiBs at long contexts,
+    which a new prompt alone never shows). 0 off CUDA."""
     device = config.model_config.device
     if device.type != "cuda":
         return 0
@@ -166,6 +169,9 @@ def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: 
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device),
                    attn_metadata(common))
     model.compute_logits(hidden[-sc.max_num_seqs:])
+    del hidden
+    if input_batch is not None and sc.max_model_len > n:
+        last_chunk_forward(model, input_batch, attn_metadata, n, sc.max_model_len - n)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     cache_bytes = sum(t.numel() * t.element_size() for c in caches.layers for t in (c.kv_cache,) if t is not None)
@@ -173,6 +179,17 @@ def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: 
         rec = caches.kda.records
         cache_bytes += sum(t.numel() * t.element_size() for t in (caches.kda.conv_state, caches.kda.ssm_state,
                                                                    *((rec.c, rec.kd, rec.x) if rec else ())))
-    del caches, hidden
+    del caches
     torch.cuda.empty_cache()
     return peak - cache_bytes
+
+
+def last_chunk_forward(model: torch.nn.Module, input_batch, attn_metadata: Callable[[CommonAttentionMetadata], object],
+                       num_tokens: int, context: int) -> torch.Tensor:
+    """The forward of a prompt chunk of `num_tokens` after `context` cached positions, on harmless inputs
+    (InputBatch.fill_dummy: contexts read from block 0, no cache writes, the null state slot), so any bound
+    caches will do. Its hidden states."""
+    input_batch.fill_dummy(np.array([num_tokens]), np.array([context]), np.array([True]))
+    common = input_batch.dummy_metadata(1, num_tokens, num_tokens, num_tokens + context)
+    return model(input_batch.input_ids.gpu[:num_tokens], input_batch.positions.gpu[:num_tokens],
+                 attn_metadata(common))

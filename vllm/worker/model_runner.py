@@ -144,7 +144,7 @@ class ModelRunner:
         self.sample_step = SampleStep(self.model.compute_logits, self.input_batch.draft_ids.gpu, self.num_spec,
                                       self.hf_config.vocab_size, self.device)
         peak = profile_peak_bytes(self.config, self.model, lambda n: self._bind_caches(n, 1, draft=False),
-                                  self._attn_metadata)
+                                  self._attn_metadata, self.input_batch)
         graph_bytes = self.graphs.measure_bytes(lambda n: self._bind_caches(n, 1))
         self.layout = lay = plan_cache(self.config, peak, graph_bytes)
         caches = self._bind_caches(lay.num_blocks, lay.num_state_slots + lay.num_snapshot_slots,
