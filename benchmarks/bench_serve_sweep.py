@@ -90,7 +90,9 @@ def cpu_utilization(run, server_pid: int):
     before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in procs.items()}
     client0, t0 = time.process_time(), time.monotonic()
     result = run()
-    wall = time.monotonic() - t0
+    # Over the load's own duration (first send to last finish), not the call's: the call also spawns the client
+    # processes, whose seconds of imports the idle server would otherwise be averaged over.
+    wall = result.get("summary", {}).get("duration_s") or time.monotonic() - t0
     used = {k: (sum(cpu_seconds(p) for p in pids) - before[k]) / wall for k, pids in procs.items()}
     # The load generator's own processes report their CPU seconds (bench_serve's summary["client"]).
     client = (result.get("summary", {}).get("client") or {}).get("cpu_s")
@@ -114,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     meta = metadata(args.device)
     levels = [int(c) for c in args.concurrency.split(",")]
-    P, O = args.input_len, args.output_len
+    P, O = args.input_len, args.output_len  # noqa: E741 - prompt and output lengths
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_sweep_"))
     hf, cfg = build_checkpoint(args, tmp)
     del hf
