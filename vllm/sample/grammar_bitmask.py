@@ -23,7 +23,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, mask: GrammarBitmask) -> torch.T
         out = logits.clone()
         xgr.apply_token_bitmask_inplace(out, mask.bitmask)
         return out
-    # The kernel reads bitmask row i for logits row i, so the constrained rows are masked gathered.
+    # The kernel reads bitmask row i for logits row i: the constrained rows are gathered, masked, scattered back.
     rows = logits.index_select(0, mask.rows)
     xgr.apply_token_bitmask_inplace(rows, mask.bitmask)
     return logits.index_copy(0, mask.rows, rows)
