@@ -18,8 +18,11 @@ from vllm.tools.make_tiny_model import write_tiny_model
 
 
 # The interpreter-bound files take about half of the CPU suite: under pytest-xdist (`-n 2 --dist loadfile`, one
-# file per worker) they go first, so that the other worker takes the many short files meanwhile instead of one
-# worker ending the run alone on them. Every worker orders alike, as xdist requires.
+# file per worker) they go first, the longest first (150-700 s each on the 2-core CI machine), so that the other
+# worker takes the many short files meanwhile instead of one worker ending the run alone on a long one. Every
+# worker orders alike, as xdist requires.
+LONGEST = ("tests/worker/test_device_trim.py", "tests/worker/test_graph_replay.py",
+           "tests/worker/test_dspark_graphs.py", "tests/worker/test_piecewise.py")
 FIRST = ("tests/worker/",)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One process per core: a worker's torch with every core's thread would oversubscribe the machine.
@@ -29,7 +32,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: file order kept otherwise
+        def rank(item) -> int:
+            path = item.nodeid.split("::", 1)[0]
+            return LONGEST.index(path) if path in LONGEST else len(LONGEST) + (not path.startswith(FIRST))
+        items.sort(key=rank)  # stable: the order within a rank is the collection's
     if torch.cuda.is_available():
         # fp32 comparisons against references must not silently run in TF32.
         torch.backends.cuda.matmul.allow_tf32 = False
