@@ -142,10 +142,10 @@ def plan_cache(config: VllmConfig, activation_peak_bytes: int, graph_bytes: int 
 
 @torch.inference_mode()
 def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: Callable[[int], list],
-                       attn_metadata: Callable[[CommonAttentionMetadata], object], input_batch=None) -> int:
+                       attn_metadata: Callable[[CommonAttentionMetadata], object], input_batch) -> int:
     """Peak device memory of the largest step, less its caches: a full token budget as one new prompt (its last
     max_num_seqs rows' logits), with caches just big enough for it (`bind_caches(num_blocks)` binds them and
-    returns them); and, given the runner's `input_batch`, the same budget as the last chunk of a max_model_len
+    returns them); and, on the runner's `input_batch`, the same budget as the last chunk of a max_model_len
     prompt, whose MLA prefill decompresses every earlier position (unabsorbed attention: GiBs at long contexts,
     which a new prompt alone never shows). 0 off CUDA."""
     device = config.model_config.device
@@ -170,7 +170,7 @@ def profile_peak_bytes(config: VllmConfig, model: torch.nn.Module, bind_caches: 
                    attn_metadata(common))
     model.compute_logits(hidden[-sc.max_num_seqs:])
     del hidden
-    if input_batch is not None and sc.max_model_len > n:
+    if sc.max_model_len > n:
         last_chunk_forward(model, input_batch, attn_metadata, n, sc.max_model_len - n)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
