@@ -83,8 +83,10 @@ def profile_prefill(llm, num_prompts: int, prompt_len: int, rows: int, device: s
 def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=8 * steps + 20, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": list(range(5, 21))}, params)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):  # distinct prompts: identical rows would route every token to the same few experts
+        ids = torch.randint(3, engine.vocab_size, (16,), generator=gen).tolist()
+        engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": ids}, params)
     for _ in range(8):  # prefill, then warm decode steps
         engine.step()
     runner, replayed = engine.runner, []

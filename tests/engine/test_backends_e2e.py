@@ -116,3 +116,15 @@ def _assert_bf16_close(model_dir, fast, state_dtype):
     # Two bf16 implementations round differently; the random tiny K3 amplifies rounding (its bf16 logits are
     # 3.5-5.5% off fp32), so the fast backends are held to the reference's own bf16 error, with a margin.
     assert fast_err <= 1.5 * ref_err + 0.005
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", FAST[:3], ids=lambda b: "+".join(b.values()))
+def test_identical_prompts_in_one_batch_decode_identically(model_dir, backends):
+    """Rows of a step never read each other's inputs: 16 copies of one prompt, prefilled in one step and decoded
+    together (CUDA graphs, bf16), give 16 identical outputs. A kernel addressing a column slice of the merged
+    projection as if it were contiguous gives each row another row's values (fla's beta did, a8dcc6c)."""
+    batch = _prompts([24], seed=5) * 16
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = _run(model_dir, "bfloat16", backends, batch, params, enable_prefix_caching=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1, [o.outputs[0].token_ids for o in outs]

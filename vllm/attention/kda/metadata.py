@@ -73,7 +73,9 @@ class KDABackend(AttentionBackend):
 
     Both entry points take the group's tokens only — mixed_qkv [T, 3P] (pre-conv), raw_gate [T, P],
     raw_beta [T, H], output_gate [T, P] — update conv_state [slots, 3P, W-1] and ssm_state [slots, H, V, K]
-    in place, and return the gated-normalised core output [T, P] in the activation dtype.
+    in place, and return the gated-normalised core output [T, P] in the activation dtype. The inputs' last dim
+    is contiguous but their rows may be strided (column slices of the model's one projection GEMM): a backend
+    whose library assumes contiguous rows makes them so (tests/attention's harness feeds them strided).
     """
     runs_prefill: ClassVar[bool] = False
     runs_decode: ClassVar[bool] = False

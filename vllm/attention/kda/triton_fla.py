@@ -57,7 +57,7 @@ class TritonFLAKDABackend(KDABackend):
         q, k, v = _conv(layer, mixed_qkv, conv_state, rows)
         H, K, T = layer.num_heads, layer.head_dim, rows.num_tokens
         o, _ = fused_recurrent_kda_fwd(
-            q, k, v, raw_gate[:T].view(1, T, H, K), raw_beta[:T].view(1, T, H), A_log=layer.A_log,
+            q, k, v, raw_gate[:T].view(1, T, H, K), _fla_beta(raw_beta, T), A_log=layer.A_log,
             dt_bias=layer.dt_bias, initial_state=ssm_state, scale=K ** -0.5, inplace_final_state=True,
             state_v_first=True, cu_seqlens=rows.query_start_loc, ssm_state_indices=rows.state_indices,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
@@ -83,7 +83,7 @@ class TritonFLAKDABackend(KDABackend):
         gate_args = dict(A_log=layer.A_log, dt_bias=layer.dt_bias, use_qk_l2norm_in_kernel=True,
                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                          lower_bound=layer.gate_lower_bound, state_v_first=True, scale=K ** -0.5)
-        g, beta = raw_gate[:T].view(1, T, H, K), raw_beta[:T].view(1, T, H)
+        g, beta = raw_gate[:T].view(1, T, H, K), _fla_beta(raw_beta, T)
         if chunked:
             o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                  safe_gate=layer.gate_lower_bound is not None, cu_seqlens=rows.query_start_loc.long(),
@@ -94,6 +94,12 @@ class TritonFLAKDABackend(KDABackend):
                                                **gate_args)
         ssm_state[slots] = final.to(ssm_state.dtype)
         return fused_gated_norm(layer, o[0], output_gate[:T], mixed_qkv.dtype)
+
+
+def _fla_beta(raw_beta: torch.Tensor, T: int) -> torch.Tensor:
+    """[1, T, H] for fla, whose kernels address beta as contiguous [T, H]: the model's raw_beta is a column slice
+    of its projection (rows strided), read as is it would give each row another row's betas."""
+    return raw_beta[:T].contiguous().view(1, T, -1)
 
 
 def _conv(layer: KDAWeights, mixed_qkv: torch.Tensor, conv_state: torch.Tensor, rows: KDARows):
