@@ -3,7 +3,8 @@
 1. `moe_align_block_size`: the (token, expert) pairs grouped by expert on the device (one launch);
 2. gate/up GEMM with the gated activation fused, over the sorted pairs (one launch; or, where the tuned tiles
    say `split_act`, one GEMM over all 2I columns and the activation after it: two launches);
-3. down GEMM scaled by the routing weights (one launch), then a sum over each token's top_k rows.
+3. down GEMM scaled by the routing weights (one launch), then a sum over each token's top_k rows (one launch, in
+   float32, rounded once to the caller's dtype).
 
 A shared expert as wide as a routed one can ride along as expert E, chosen by every token with weight 1
 (grouped_topk's `with_shared`): its GEMMs, activation and add then cost no launches of their own.
@@ -241,6 +242,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = (torch.empty if expert_map is None else torch.zeros)(num_pairs, D, dtype=x.dtype, device=x.device)
     _expert_gemm(act, w2, out, weights, sorted_pairs, block_expert, num_padded, down_cfg, precision,
                  a_row_div=1, scale=True)
-    if out_dtype == out.dtype:  # torch's sum of bf16/fp16 accumulates in float32 and rounds once: one launch
-        return out.view(T, top_k, D).sum(1)
-    return out.view(T, top_k, D).sum(1, dtype=torch.float32).to(out_dtype)
+    y = torch.empty(T, D, dtype=out_dtype, device=x.device)
+    block_d = min(1024, _next_power_of_2(D))
+    kernels._moe_sum_kernel[(T, _cdiv(D, block_d))](out, y, D, out.stride(0), y.stride(0), TOP_K=top_k,
+                                                     BLOCK_D=block_d, num_warps=4)
+    return y
