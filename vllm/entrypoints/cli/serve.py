@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
         raise ValueError(f"--max-log-len={args.max_log_len} is invalid: expected >= 0")
     if args.api_server_count != 1:
         raise ValueError(f"--api-server-count={args.api_server_count} is not supported by this engine: one HTTP "
-                         "server process serves (it is not the bottleneck of a one-device engine)")
+                         "server process serves; expected 1")
     if not args.chat_template_timeout > 0:
         raise ValueError(f"--chat-template-timeout={args.chat_template_timeout} is invalid: expected seconds > 0")
     if args.shutdown_timeout < 0:

@@ -162,7 +162,7 @@ class _Run:
 
         text_offset indexes the choice's text, which omits skipped special tokens (an echoed <bos>): those take
         no room in it."""
-        skipped = set(self.tokenizer.all_special_ids) if self.req.skip_special_tokens else set()
+        skipped = self.serving.special_ids if self.req.skip_special_tokens else frozenset()
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, row in zip(ids, lps):
             tok = row[tid].decoded_token if row else self.tokenizer.decode([tid])

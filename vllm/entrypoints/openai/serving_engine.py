@@ -72,6 +72,9 @@ class OpenAIServing:
         self.shutting_down = False
         # generation_config.json's sampling fields: the defaults of requests that leave them unset.
         self.default_sampling = engine.config.model_config.get_diff_sampling_param()
+        # transformers rebuilds all_special_ids from the special-token map on every read: once per streamed chunk
+        # with logprobs was a visible share of the front end's CPU (py-spy, docs/serving.md)
+        self.special_ids = frozenset(engine.tokenizer.all_special_ids)
 
     def stall_limit(self) -> float:
         return STALLED_AT_SHUTDOWN_S if self.shutting_down else STALLED_CLIENT_S
