@@ -39,17 +39,15 @@ def random_pools(layer, slots: int, W: int, act_dtype, state_dtype, device, gen,
     return conv, ssm
 
 
-def random_inputs(layer, T: int, act_dtype, device, gen, gate_shift: float = 0.0, strided: bool = True):
-    """(mixed_qkv, raw_gate, raw_beta, output_gate). `strided`: as the model hands them over, mixed_qkv, raw_beta
-    and output_gate are column slices of one projection's output (rows strided), raw_gate is contiguous."""
+def random_inputs(layer, T: int, act_dtype, device, gen, gate_shift: float = 0.0):
+    """(mixed_qkv, raw_gate, raw_beta, output_gate) as the model hands them over: mixed_qkv, raw_beta and
+    output_gate are column slices of one projection's output (rows strided), raw_gate is contiguous."""
     H, K = layer.num_heads, layer.head_dim
     P = H * K
     mixed = torch.randn(T, 3 * P, generator=gen)
     raw_gate = torch.randn(T, P, generator=gen) + gate_shift
     raw_beta = torch.randn(T, H, generator=gen)
     out_gate = torch.randn(T, P, generator=gen)
-    if not strided:
-        return tuple(x.to(device, act_dtype) for x in (mixed, raw_gate, raw_beta, out_gate))
     pad = torch.randn(T, 8, generator=gen)  # like the merged projection's alignment padding, never read
     projected = torch.cat([mixed, out_gate, raw_beta, pad], -1).to(device, act_dtype)
     mixed, out_gate, raw_beta, _ = projected.split([3 * P, P, H, 8], -1)

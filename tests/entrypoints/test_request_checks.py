@@ -25,4 +25,3 @@ def test_prompt_shapes_and_id_checks():
     assert prompt_problem([0, 9], 10) is None
     assert "out of vocabulary" in prompt_problem([3, 10, -1], 10) and "[10, -1]" in prompt_problem([3, 10, -1], 10)
     assert "must be integers, got [True, 1.0]" in prompt_problem([1, True, 1.0], 10)
-
