@@ -98,7 +98,7 @@ class TritonFLAKDABackend(KDABackend):
 
 def _fla_beta(raw_beta: torch.Tensor, T: int) -> torch.Tensor:
     """[1, T, H] for fla, whose kernels address beta as contiguous [T, H]: the model's raw_beta is a column slice
-    of its projection (rows strided), read as is it would give each row another row's betas."""
+    of its projection (rows strided), which read as is gives every token but the first other values as betas."""
     return raw_beta[:T].contiguous().view(1, T, -1)
 
 
