@@ -6,12 +6,15 @@ that raises fails the requests in flight and the engine serves on, and counters 
 in this module's process, which owns the GPU and steps as fast as the model runs, whatever the HTTP side costs
 (in one process the event loop and the step share the GIL; upstream's reason for its engine core process).
 
-The process protocol: one pipe each way, one pickled tuple per message.
+The process protocol: one pipe each way per front end (several with `vllm serve --api-server-count N`, whose
+API server processes share the core; core_router.py keeps which owns each request), one pickled tuple per
+message.
 - front end -> core: (ADD, request_id, prompt, params), (ABORT, request_id), (FINISH, [(child_id, kept tokens,
   status)]) for children the front end finished (a stop string), (CALL, call_id, method, args), (SHUTDOWN,);
 - core -> front end: (READY, config, stats) or (FAILED, exception) once at start; then (OUTPUTS, records,
   rejected, stats) after each loop turn that changed something, (RESULT, call_id, value, error) for each CALL
-  (an EngineCore method run between steps, e.g. reset_prefix_cache), and (STOPPED, records, rejected, stats) last.
+  (an EngineCore method run between steps, e.g. reset_prefix_cache), and (STOPPED, records, rejected, stats)
+  last, answering SHUTDOWN. The process exits once every front end has sent SHUTDOWN or gone away.
   `rejected` holds (request_id, exception) for requests that end with an error instead of an output. The
   process's engine builds no outputs: its records (`core_outputs.py`: new token ids, logprob rows, finish
   reasons) are what the front end turns into RequestOutputs (`frontend_outputs.py`), detokenizing there, so the
@@ -27,9 +30,10 @@ import pickle
 import signal
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.core_router import ClientRouter, Routed
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.logger import init_logging
@@ -186,9 +190,10 @@ def portable(error: BaseException) -> Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log_level: int) -> None:
-    """The engine core process's main (EngineCoreProc upstream): builds the engine, then serves the pipe until
-    SHUTDOWN or until the front end is gone (its end of the pipe closes)."""
+def run_engine_core(args: EngineArgs, inboxes: list[Connection], outboxes: list[Connection], log_level: int) -> None:
+    """The engine core process's main (EngineCoreProc upstream): builds the engine, then serves its front ends'
+    pipes (one pair each: several with --api-server-count) until each has sent SHUTDOWN or gone away (its end of
+    the pipe closes)."""
     # A Ctrl-C reaches the whole process group; the front end turns it into a SHUTDOWN that ends the requests
     # in flight cleanly. SIGTERM keeps its default: it is how the front end's exit reaps a core it could not stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -198,48 +203,113 @@ def run_engine_core(args: EngineArgs, inbox: Connection, outbox: Connection, log
     except BaseException as e:  # noqa: BLE001 - the front end reports it and exits
         if not isinstance(e, ValueError):  # bad input is one line there; anything else keeps its traceback here
             logger.exception("the engine failed to start")
-        outbox.send((FAILED, portable(e)))
+        for outbox in outboxes:
+            outbox.send((FAILED, portable(e)))
         return
     freeze_gc_heap()  # the engine lives as long as this process
     COMPILE_WATCH.install()  # from here on a Triton compile stalls the requests in flight: say so
     try:
-        outbox.send((READY, core.engine.config, core.stats()))
-        _serve(core, inbox, outbox)
-    except (EOFError, OSError):
-        logger.warning("the front end went away; the engine core exits")
+        for outbox in outboxes:
+            outbox.send((READY, core.engine.config, core.stats()))
+    except OSError:
+        logger.warning("a front end went away while the engine started; the engine core exits")
+        return
+    _CoreServer(core, inboxes, outboxes).serve()
 
 
-def _serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
-    while True:
-        outputs: list[RequestOutput] = []
-        rejected: Rejected = []
-        changed = stopping = False
-        wait = not core.has_work()  # idle: sleep in recv until the front end sends something
-        while wait or inbox.poll():
-            wait, changed = False, True
-            msg = inbox.recv()
-            if msg[0] == ADD:
-                error = core.add_request(*msg[1:])
-                if error is not None:
-                    rejected.append((msg[1], portable(error)))
-            elif msg[0] == ABORT:
-                outputs += core.abort(msg[1])
-            elif msg[0] == FINISH:
-                core.engine.finish_children(msg[1])
-            elif msg[0] == CALL:
-                outbox.send((RESULT, msg[1], *core.call(msg[2], msg[3])))
-            else:
-                stopping = True
-                break
-        if stopping:
-            outputs += core.abort_all()
-            outbox.send((STOPPED, outputs, rejected, core.stats()))
+# A front end that got no outputs in a turn still hears the core's stats this often (its /metrics gauges), and
+# whenever the core goes idle; with one front end, after every turn that changed something.
+STATS_EVERY_S = 0.05
+
+
+class _CoreServer:
+    """The core process's loop over its front ends' pipes: apply what they sent, step, send each its outputs."""
+
+    def __init__(self, core: EngineCore, inboxes: list[Connection], outboxes: list[Connection]) -> None:
+        self.core, self.inboxes, self.outboxes = core, inboxes, outboxes
+        self.router = ClientRouter(len(inboxes))
+        self.attached = dict(enumerate(inboxes))  # client index -> its inbox, until it leaves
+        self.pending: Routed = {}  # per client, the records and rejections of this turn not sent yet
+        self.stats_sent = [0.0] * len(inboxes)
+
+    def serve(self) -> None:
+        core = self.core
+        while self.attached:
+            changed = False
+            idle = not core.has_work()  # idle: sleep until a front end sends something
+            while ready := self._ready(block=idle):
+                idle, changed = False, True
+                for client in ready:
+                    self._receive(client)
+            if core.has_work():
+                self._collect(*core.step())
+                changed = True
+            if changed:
+                self._send(going_idle=not core.has_work())
+        logger.info("every front end has left; the engine core exits")
+
+    def _ready(self, block: bool) -> list[int]:
+        if len(self.attached) == 1:  # poll() costs a syscall; wait() builds a selector every call
+            ((client, inbox),) = self.attached.items()
+            return [client] if block or inbox.poll() else []
+        ready = wait(list(self.attached.values()), None if block else 0)
+        return [client for client, inbox in self.attached.items() if inbox in ready]
+
+    def _receive(self, client: int) -> None:
+        core, router = self.core, self.router
+        try:
+            msg = self.attached[client].recv()
+        except (EOFError, OSError):
+            logger.warning("front end %d went away; its requests are aborted", client)
+            self._leave(client)
             return
-        if core.has_work():
-            stepped, failed = core.step()
-            outputs += stepped
-            rejected += failed
-            changed = True
-        if changed:
-            outbox.send((OUTPUTS, outputs, rejected, core.stats()))
+        kind = msg[0]
+        if kind == ADD:
+            error = core.add_request(*msg[1:])
+            if error is None:
+                router.add(client, msg[1], core.engine.output_processor.child_ids(msg[1]))
+            else:
+                self.pending.setdefault(client, ([], []))[1].append((msg[1], portable(error)))
+        elif kind == ABORT:
+            if router.owns(client, msg[1]):
+                self._collect(core.abort(msg[1]), [])
+        elif kind == FINISH:
+            core.engine.finish_children(router.own_children(client, msg[1]))
+        elif kind == CALL:
+            self._post(client, (RESULT, msg[1], *core.call(msg[2], msg[3])))
+        else:  # SHUTDOWN: this front end is leaving; its requests end with finish_reason "abort"
+            records, rejected = self._leave(client)
+            self._post(client, (STOPPED, records, rejected, core.stats()))
 
+    def _leave(self, client: int) -> tuple[list, list]:
+        """Aborts the client's requests and detaches it; returns what it had not been sent yet."""
+        core = self.core
+        mine = core.abort_all() if len(self.inboxes) == 1 else core.abort(self.router.requests_of(client))
+        self._collect(mine, [])
+        self.attached.pop(client, None)
+        return self.pending.pop(client, ([], []))
+
+    def _collect(self, records: list, rejected: Rejected) -> None:
+        for client, (recs, rejs) in self.router.route(records, rejected).items():
+            if client in self.attached:
+                mine = self.pending.setdefault(client, ([], []))
+                mine[0].extend(recs)
+                mine[1].extend(rejs)
+
+    def _send(self, going_idle: bool) -> None:
+        stats, now = self.core.stats(), time.monotonic()
+        pending, self.pending = self.pending, {}
+        for client in list(self.attached):
+            records, rejected = pending.get(client, ((), ()))
+            if (records or rejected or len(self.inboxes) == 1 or going_idle
+                    or now - self.stats_sent[client] >= STATS_EVERY_S):
+                self._post(client, (OUTPUTS, list(records), list(rejected), stats))
+                self.stats_sent[client] = now
+
+    def _post(self, client: int, msg: tuple) -> None:
+        try:
+            self.outboxes[client].send(msg)
+        except OSError:  # it is gone; its inbox reports EOF next
+            logger.warning("front end %d went away; its requests are aborted", client)
+            if client in self.attached:
+                self._leave(client)

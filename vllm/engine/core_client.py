@@ -145,18 +145,48 @@ class InprocClient:
                     future.set_exception(error)
 
 
+def start_engine_core(args: EngineArgs, num_clients: int = 1) -> tuple[multiprocessing.Process, list[tuple]]:
+    """Spawns the engine core process with a pipe pair per front end: (its process, [(to_core, from_core)])."""
+    ctx = multiprocessing.get_context("spawn")  # a forked child would inherit CUDA and the loop's threads
+    ends = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(num_clients)]
+    inboxes = [inbox for (inbox, _), _ in ends]
+    outboxes = [outbox for _, (_, outbox) in ends]
+    proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
+                       args=(args, inboxes, outboxes, logging.getLogger().getEffectiveLevel()))
+    proc.start()
+    for conn in inboxes + outboxes:  # the child's ends: closed here, so a pipe reports EOF when the child is gone
+        conn.close()
+    return proc, [(to_core, from_core) for (_, to_core), (from_core, _) in ends]
+
+
+def await_ready(from_core, proc: multiprocessing.Process | None) -> tuple:
+    """The core's (config, stats) once it has started; its error if it failed to."""
+    try:
+        msg = from_core.recv()
+    except EOFError:
+        code = "?"
+        if proc is not None:
+            proc.join(5)
+            code = proc.exitcode
+        raise RuntimeError(f"the engine process exited with code {code} while starting; its log above says "
+                           "why") from None
+    if msg[0] == FAILED:
+        raise msg[1]
+    assert msg[0] == READY, msg[0]
+    return msg[1], msg[2]
+
+
 class MPClient:
-    def __init__(self, args: EngineArgs) -> None:
-        ctx = multiprocessing.get_context("spawn")  # a forked child would inherit CUDA and the loop's threads
-        core_inbox, self._to_core = ctx.Pipe(duplex=False)
-        self._from_core, core_outbox = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                                args=(args, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel()))
-        self.proc.start()
-        core_inbox.close()  # the child's ends: closed here, so the pipe reports EOF when the child is gone
-        core_outbox.close()
+    def __init__(self, args: EngineArgs | None, attach: tuple | None = None) -> None:
+        """Spawns the core for `args`; or, with `attach` = (to_core, from_core, config, stats), is one of the
+        front ends of a core already started (`vllm serve --api-server-count N`), whose process is not ours."""
+        if attach is None:
+            self.proc, ((self._to_core, self._from_core),) = start_engine_core(args)
+        else:
+            self.proc, (self._to_core, self._from_core, self.config, self._stats) = None, attach
         try:
-            self.config, self._stats = self._await_ready()
+            if attach is None:
+                self.config, self._stats = await_ready(self._from_core, self.proc)
             mc = self.config.model_config
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
             # The core sends records; detokenization and the outputs happen here (frontend_outputs.py).
@@ -173,18 +203,6 @@ class MPClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="engine-core-sender", daemon=True)
         self._sender.start()
-
-    def _await_ready(self):
-        try:
-            msg = self._from_core.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(f"the engine process exited with code {self.proc.exitcode} while starting; its log "
-                               "above says why") from None
-        if msg[0] == FAILED:
-            raise msg[1]
-        assert msg[0] == READY, msg[0]
-        return msg[1], msg[2]
 
     def start(self, sink: OutputSink) -> None:
         """Starts reading outputs; call from inside the running event loop."""
@@ -302,8 +320,11 @@ class MPClient:
 
     def _engine_died(self) -> None:
         self.dead = True
-        self.proc.join(1)
-        error = RuntimeError(f"the engine process died (exit code {self.proc.exitcode}); its log says why")
+        code = "?"
+        if self.proc is not None:
+            self.proc.join(1)
+            code = self.proc.exitcode
+        error = RuntimeError(f"the engine process died (exit code {code}); its log says why")
         self._fail_calls(error)
         self._stopped.set_result(None)
         self._sink.on_engine_dead(error)
@@ -312,9 +333,12 @@ class MPClient:
         self._loop.remove_reader(self._from_core.fileno())
 
     def _reap(self, timeout: float) -> None:
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        """Waits for our core process to exit (killing it after `timeout`); an attached front end only waits
+        for its pipe's STOPPED, sent before this."""
+        if self.proc is not None:
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
         self._to_core.close()
         self._from_core.close()

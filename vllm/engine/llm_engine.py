@@ -85,6 +85,10 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids, params, children = self.input_processor.process(request_id, prompt, params, arrival_time)
+        clash = next((c.request_id for c in children if c.request_id in self.scheduler.requests), None)
+        if clash is not None:  # "a" with n=2 has children "a-0" and "a-1": a request "a-1" must not become one
+            raise ValueError(f"request_id {request_id!r} cannot be used now: its sample id {clash!r} is another "
+                             "request's id")
         self.output_processor.add(request_id, text, children, params)
         for c in children:
             if params.structured_outputs is not None:
