@@ -264,7 +264,7 @@ def test_unsupported_upstream_flags_fail_naming_them(tmp_path):
     import sys
     for flags, fragment in [(["-pp", "2"], "--pipeline-parallel-size=2 is not supported by this engine"),
                             (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype='fp8' is not supported"),
-                            (["--api-server-count", "2"], "--api-server-count=2 is not supported"),
+                            (["--api-server-count", "0"], "--api-server-count=0 is invalid: expected 1..64"),
                             (["--quantization", "awq"], "--quantization='awq' is not supported"),
                             (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
                             (["--tool-call-parser", "hermes"], "--tool-call-parser 'hermes' is not supported"),

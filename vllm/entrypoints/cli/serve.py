@@ -19,6 +19,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # SIGTERM's drain: Kubernetes sends SIGKILL 30 s after SIGTERM by default, and stopping the engine core and
 # closing connections after the drain takes a few seconds more (upstream's default, 0, aborts at once).
 DRAIN_S = 20.0
+MAX_API_SERVERS = 64
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=DRAIN_S,
                    help="on SIGTERM, seconds to let requests in flight finish (new ones get 503) before the rest "
                         f"are aborted (default {DRAIN_S:g}; 0: abort at once, as SIGINT does)")
-    p.add_argument("--api-server-count", type=int, default=1, help="HTTP server processes (only 1 here)")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP server processes over the one engine core, sharing the port (default 1): more when "
+                        "one process's streaming, detokenization and response building is the limit")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprob tokens as "token_id:N" (requests may override with the field of that name)')
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -118,9 +121,9 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
         raise ValueError(f"--max-request-body-bytes={args.max_request_body_bytes} is invalid: expected >= 1")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len={args.max_log_len} is invalid: expected >= 0")
-    if args.api_server_count != 1:
-        raise ValueError(f"--api-server-count={args.api_server_count} is not supported by this engine: one HTTP "
-                         "server process serves; expected 1")
+    if not 1 <= args.api_server_count <= MAX_API_SERVERS:
+        raise ValueError(f"--api-server-count={args.api_server_count} is invalid: expected 1..{MAX_API_SERVERS} "
+                         "HTTP server processes")
     if not args.chat_template_timeout > 0:
         raise ValueError(f"--chat-template-timeout={args.chat_template_timeout} is invalid: expected seconds > 0")
     if args.shutdown_timeout < 0:
@@ -166,6 +169,8 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
                               access_log=not args.disable_uvicorn_access_log, docs=not args.disable_fastapi_docs,
                               tools=tools, show_hidden_metrics=show_hidden_metrics, max_logprobs=max_logprobs)
     with sock:
+        if args.api_server_count > 1:
+            return _run_api_servers(args, settings, sock, loading, interrupted)
         try:
             engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         except Exception:
@@ -177,6 +182,25 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
             asyncio.run(engine.shutdown())
             raise KeyboardInterrupt
         return run_server(engine, settings, sock, args.uvicorn_log_level)
+
+
+def _run_api_servers(args: argparse.Namespace, settings, sock: socket.socket, loading: contextlib.ExitStack,
+                     interrupted: list[int]) -> int:
+    """--api-server-count > 1: the engine core, then that many API server processes over it."""
+    from vllm.entrypoints.openai.api_server_procs import APIServerLauncher
+    launcher = APIServerLauncher(EngineArgs.from_cli_args(args), settings, sock, args.api_server_count,
+                                 args.uvicorn_log_level)
+    try:
+        launcher.start_core()
+    except Exception:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    loading.close()
+    if interrupted:
+        launcher.stop_core()
+        raise KeyboardInterrupt
+    return launcher.serve()
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -253,13 +254,15 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def run_server(engine, settings: ServerSettings, sock: socket.socket, log_level: str) -> int:
-    """Serves on `sock`, bound by the caller before the model loaded."""
+def run_server(engine, settings: ServerSettings, sock: socket.socket, log_level: str,
+               on_ready: Callable[[str, int], None] | None = None) -> int:
+    """Serves on `sock`, bound by the caller before the model loaded; `on_ready(host, port)` replaces the ready
+    line."""
     app = build_app(engine, settings)
     # With --shutdown-timeout uvicorn waits that long for open connections (the requests draining) as well.
     config = uvicorn.Config(app, log_level=log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + settings.shutdown_timeout_s)
-    server = Server(config, app, engine, settings)
+    server = Server(config, app, engine, settings, on_ready)
     server.run(sockets=[sock])
     return server.exit_code
 

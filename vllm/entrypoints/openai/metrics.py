@@ -1,13 +1,15 @@
-"""Prometheus metrics under upstream's names, in a registry per app (two servers in one process never collide).
+"""Prometheus metrics under upstream's names, in a registry per app (two servers in one process never collide;
+several API server processes sum theirs through prometheus_client's multiprocess mode).
 
 Gauges and token counters are read from `AsyncLLM.stats()` at scrape time, so they can never drift from the
 engine; latency histograms are observed by the serving code as outputs arrive.
 """
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from vllm.outputs import RequestOutput
@@ -99,7 +101,16 @@ class _EngineCollector:
 class Metrics:
     def __init__(self, engine, model_name: str, show_hidden: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name, show_hidden))
+        engine_metrics = _EngineCollector(engine, model_name, show_hidden)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # One of several API server processes (api_server_procs.py): the request metrics below go to files
+            # there, and /metrics sums every process's; the engine's come from the core, the same in each.
+            self.exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposed)
+            self.exposed.register(engine_metrics)
+        else:
+            self.registry.register(engine_metrics)
+            self.exposed = self.registry
         label = ["model_name"]
 
         def hist(name, doc):
@@ -128,7 +139,7 @@ class Metrics:
         self.model_name = model_name
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

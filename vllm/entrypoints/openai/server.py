@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -24,9 +25,11 @@ class Server(uvicorn.Server):
     supervisor restarts it; signals are handled here rather than re-raised at exit (uvicorn re-raises each one it
     caught once it has shut down, which turned a second Ctrl-C or a SIGTERM into tracebacks)."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, engine, settings: ServerSettings) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine, settings: ServerSettings,
+                 on_ready: Callable[[str, int], None] | None = None) -> None:
         super().__init__(config)
         self.app, self.engine, self.settings, self.loop = app, engine, settings, None
+        self.on_ready = on_ready  # instead of the ready line (one of several API server processes)
         self.exit_code = 0
         engine.dead_handlers.append(self.engine_died)
 
@@ -36,6 +39,9 @@ class Server(uvicorn.Server):
         if self.started:
             freeze_gc_heap()  # the app, the tokenizer and the engine client live as long as the server
             host, port = self.servers[0].sockets[0].getsockname()[:2]
+            if self.on_ready is not None:
+                self.on_ready(host, port)
+                return
             names = ", ".join(self.settings.served_model_names)
             print(f"vllm API server ready: serving {names} on http://{host}:{port}", flush=True)
 

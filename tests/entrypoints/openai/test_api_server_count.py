@@ -1,0 +1,128 @@
+"""`vllm serve --api-server-count 2`: two API server processes over one engine core answer as one server (greedy
+outputs equal offline, both processes serve, /metrics sums both whichever answers the scrape); SIGTERM drains
+both and leaves no process; a server that dies, or a launcher that dies, takes the whole server down with no
+process left behind."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vllm import SamplingParams
+
+PROMPTS = [f"Request number {i} says" for i in range(24)]
+MAX_TOKENS = 8
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def api_servers(launcher_pid: int) -> list[int]:
+    """The launcher's children that lead process groups of their own: the API servers."""
+    return [p for p in descendants(launcher_pid) if os.getpgid(p) == p and Path(f"/proc/{p}/stat").exists()]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def wait_gone(pids: list[int], timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def complete(url: str, prompt: str, **kw) -> dict:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120).json()  # a new connection each
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--api-server-count", "2")
+
+
+def test_two_api_servers_answer_as_one_server(server, offline_llm, read_metrics):
+    assert "(2 API server processes)" in server.stdout()
+    workers = api_servers(server.proc.pid)
+    assert len(workers) == 2
+    before = [cpu_ticks(p) for p in workers]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda p: complete(server.url, p), PROMPTS))
+    after = [cpu_ticks(p) for p in workers]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = [o.outputs[0].text for o in offline_llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert [a["choices"][0]["text"] for a in answers] == expected
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # both processes took requests
+    for _ in range(4):  # whichever process answers the scrape, it counts every process's requests
+        m = read_metrics(server.url)
+        assert m["vllm:request_success_total"] == len(PROMPTS)
+        assert m["vllm:e2e_request_latency_seconds_count"] == len(PROMPTS)
+    assert m["vllm:num_requests_running"] == 0  # the engine's own, from the one core
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+
+
+def test_sigterm_drains_every_server_and_leaves_no_process(start_server):
+    s = start_server("--api-server-count", "2")
+    procs = descendants(s.proc.pid)
+    environ = Path(f"/proc/{api_servers(s.proc.pid)[0]}/environ").read_bytes().split(b"\0")
+    setting = next(e for e in environ if e.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+    metrics_dir = Path(setting.split(b"=", 1)[1].decode())
+    assert metrics_dir.is_dir()
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=120,
+                      json={"prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        s.proc.send_signal(signal.SIGTERM)
+        events = [first] + [line for line in lines if line.startswith("data:")]
+    chunks = [json.loads(e[5:]) for e in events if e != "data: [DONE]"]
+    assert events[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(60) == 0
+    assert wait_gone(procs) == []
+    assert not metrics_dir.exists()  # the launcher removed it
+
+
+@pytest.mark.parametrize("victim", ["api_server", "launcher"])
+def test_a_dead_process_takes_the_whole_server_down(start_server, victim):
+    """A server that dies: the launcher stops the other and exits 1 (a supervisor restarts the whole). A launcher
+    that dies: its servers get SIGTERM and the core exits after them."""
+    s = start_server("--api-server-count", "2")
+    procs = descendants(s.proc.pid)
+    target = api_servers(s.proc.pid)[0] if victim == "api_server" else s.proc.pid
+    os.kill(target, signal.SIGKILL)
+    code = s.proc.wait(60)
+    assert code == (1 if victim == "api_server" else -signal.SIGKILL)
+    assert wait_gone(procs) == []
+    if victim == "api_server":
+        assert "exited (code -9) while serving" in s.stderr()
