@@ -84,9 +84,21 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def server_processes(server_pid: int) -> dict[str, list[int]]:
+    """The front end's processes and the rest (the engine core, helpers). With --api-server-count N the front ends
+    are the `vllm serve` process's children that lead process groups of their own (api_server_procs.py)."""
+    children = child_pids(server_pid)
+    api_servers = [p for p in children if os.getpgid(p) == p]
+    if api_servers:
+        return {"front_end": api_servers, "engine_core": [p for p in children if p not in api_servers]}
+    return {"front_end": [server_pid], "engine_core": children}
+
+
 def cpu_utilization(run, server_pid: int):
-    """run()'s result and, per process, CPU seconds over wall seconds while it ran."""
-    procs = {"front_end": [server_pid], "engine_core": child_pids(server_pid)}
+    """run()'s result and, per process, CPU seconds over wall seconds while it ran (with several API servers,
+    front_end sums them and front_end_each lists them)."""
+    procs = server_processes(server_pid)
+    each0 = [cpu_seconds(p) for p in procs["front_end"]]
     before = {k: sum(cpu_seconds(p) for p in pids) for k, pids in procs.items()}
     client0, t0 = time.process_time(), time.monotonic()
     result = run()
@@ -94,10 +106,12 @@ def cpu_utilization(run, server_pid: int):
     # processes, whose seconds of imports the idle server would otherwise be averaged over.
     wall = result.get("summary", {}).get("duration_s") or time.monotonic() - t0
     used = {k: (sum(cpu_seconds(p) for p in pids) - before[k]) / wall for k, pids in procs.items()}
+    if len(each0) > 1:
+        used["front_end_each"] = [(cpu_seconds(p) - c0) / wall for p, c0 in zip(procs["front_end"], each0)]
     # The load generator's own processes report their CPU seconds (bench_serve's summary["client"]).
     client = (result.get("summary", {}).get("client") or {}).get("cpu_s")
     used["client"] = (time.process_time() - client0 if client is None else client) / wall
-    return result, {k: round(v, 3) for k, v in used.items()}
+    return result, {k: [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3) for k, v in used.items()}
 
 
 def main() -> None:
@@ -127,6 +141,9 @@ def main() -> None:
             offline[row["batch_size"]] = row["ours"]["tokens_per_s"]
     serve_flags = ["--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed), "--max-model-len",
                    str(P + O + 8), "--max-num-seqs", str(max(levels)), *shlex.split(args.serve_args)]
+    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
+        from vllm.assets import TINY_TOKENIZER_DIR
+        serve_flags += ["--tokenizer", str(TINY_TOKENIZER_DIR)]
     t0 = time.monotonic()
     proc, url = start_server([str(tmp), *serve_flags], api_key=None, timeout=args.startup_timeout)
     startup_s = time.monotonic() - t0
