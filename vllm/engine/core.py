@@ -27,10 +27,11 @@ import dataclasses
 import itertools
 import logging
 import pickle
+import selectors
 import signal
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core_router import ClientRouter, Routed
@@ -229,6 +230,9 @@ class _CoreServer:
         self.core, self.inboxes, self.outboxes = core, inboxes, outboxes
         self.router = ClientRouter(len(inboxes))
         self.attached = dict(enumerate(inboxes))  # client index -> its inbox, until it leaves
+        self.selector = selectors.DefaultSelector()  # kept, not built per wait (multiprocessing's wait() does)
+        for client, inbox in self.attached.items():
+            self.selector.register(inbox, selectors.EVENT_READ, client)
         self.pending: Routed = {}  # per client, the records and rejections of this turn not sent yet
         self.stats_sent = [0.0] * len(inboxes)
 
@@ -237,10 +241,11 @@ class _CoreServer:
         while self.attached:
             changed = False
             idle = not core.has_work()  # idle: sleep until a front end sends something
-            while ready := self._ready(block=idle):
+            while self.attached and (ready := self._ready(block=idle)):
                 idle, changed = False, True
                 for client in ready:
-                    self._receive(client)
+                    if client in self.attached:  # not gone earlier in this batch
+                        self._receive(client)
             if core.has_work():
                 self._collect(*core.step())
                 changed = True
@@ -249,11 +254,10 @@ class _CoreServer:
         logger.info("every front end has left; the engine core exits")
 
     def _ready(self, block: bool) -> list[int]:
-        if len(self.attached) == 1:  # poll() costs a syscall; wait() builds a selector every call
+        if len(self.attached) == 1:
             ((client, inbox),) = self.attached.items()
             return [client] if block or inbox.poll() else []
-        ready = wait(list(self.attached.values()), None if block else 0)
-        return [client for client, inbox in self.attached.items() if inbox in ready]
+        return [key.data for key, _ in self.selector.select(None if block else 0)]
 
     def _receive(self, client: int) -> None:
         core, router = self.core, self.router
@@ -286,7 +290,8 @@ class _CoreServer:
         core = self.core
         mine = core.abort_all() if len(self.inboxes) == 1 else core.abort(self.router.requests_of(client))
         self._collect(mine, [])
-        self.attached.pop(client, None)
+        if self.attached.pop(client, None) is not None:
+            self.selector.unregister(self.inboxes[client])
         return self.pending.pop(client, ([], []))
 
     def _collect(self, records: list, rejected: Rejected) -> None:
