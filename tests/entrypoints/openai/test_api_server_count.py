@@ -1,5 +1,6 @@
 """`vllm serve --api-server-count 2`: two API server processes over one engine core answer as one server (greedy
-outputs equal offline, both processes serve, /metrics sums both whichever answers the scrape); SIGTERM drains
+outputs equal offline, both processes serve, /metrics sums both whichever answers the scrape, a stored response is
+continued and read through either); SIGTERM drains
 both and leaves no process; a server that dies, or a launcher that dies, takes the whole server down with no
 process left behind."""
 from __future__ import annotations
@@ -91,6 +92,21 @@ def test_two_api_servers_answer_as_one_server(server, offline_llm, read_metrics)
         assert m["vllm:e2e_request_latency_seconds_count"] == len(PROMPTS)
     assert m["vllm:num_requests_running"] == 0  # the engine's own, from the one core
     assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+
+
+def test_stored_responses_are_found_through_every_server(server):
+    """Each call is a new connection, so it may reach either process; a response stored by one is continued and
+    read through both (with one process's memory store, about half of these would be 404s)."""
+    def post(**kw) -> dict:
+        r = httpx.post(server.url + "/v1/responses", json={"max_output_tokens": 4, "temperature": 0, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    last = post(input="Hello")
+    for i in range(6):
+        last = post(input=f"And then {i}?", previous_response_id=last["id"])
+        got = httpx.get(f"{server.url}/v1/responses/{last['id']}", timeout=60)
+        assert got.status_code == 200 and got.json()["id"] == last["id"], got.text
+    assert last["previous_response_id"] is not None and last["status"] in ("completed", "incomplete")
 
 
 def test_sigterm_drains_every_server_and_leaves_no_process(start_server):

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from vllm.entrypoints.openai.metrics import Metrics
 from vllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
+from vllm.entrypoints.openai.response_store import response_store
 from vllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -95,7 +96,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     metrics = Metrics(engine, settings.served_model_names[0], settings.show_hidden_metrics)
     completion = OpenAIServingCompletion(engine, settings, metrics)
     chat = OpenAIServingChat(engine, settings, metrics)
-    responses = OpenAIServingResponses(chat)
+    responses = OpenAIServingResponses(chat, response_store(settings.response_store_dir))
     limit = settings.max_body_bytes
     mc = engine.config.model_config
 
@@ -188,7 +189,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:
-        return responses.get(response_id)
+        return await responses.get(response_id)
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

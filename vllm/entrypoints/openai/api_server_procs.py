@@ -11,16 +11,17 @@ serve, the launcher stops them all and exits non-zero, so that a supervisor rest
 rule). The servers run in a process group of their own, so a terminal's Ctrl-C reaches them once, through the
 launcher; the launcher's death sends them SIGTERM (PR_SET_PDEATHSIG), so none outlives it.
 
-/metrics: prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a directory the launcher makes and
-removes), so every server's /metrics sums the request histograms and counters of all of them; the engine's
-gauges and counters come from the core's stats, the same in each.
-What stays per process: stored /v1/responses (a GET or previous_response_id finds a response only through the
-server that made it) and /load's count.
+What the servers share, in directories the launcher makes and removes: /metrics through prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR), so every server's /metrics sums the request histograms and counters
+of all of them (the engine's gauges and counters come from the core's stats, the same in each); and the stored
+/v1/responses (response_store.py), so GET and previous_response_id find a response whichever server made it.
+What stays per process: /load's count, and each server's two chat renderer processes.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -49,12 +50,13 @@ class APIServerLauncher:
         self.core: multiprocessing.Process | None = None
         self.servers: list[multiprocessing.Process] = []
         self.stopping = False
-        self.metrics_dir: str | None = None
+        self.shared_dirs: list[str] = []
 
     def start_core(self) -> None:
         """Starts the engine core and waits until it has loaded (its error if it could not)."""
-        self.metrics_dir = tempfile.mkdtemp(prefix="vllm-metrics-")
-        os.environ[MULTIPROC_ENV] = self.metrics_dir  # before any server imports prometheus_client
+        self.shared_dirs = [tempfile.mkdtemp(prefix="vllm-metrics-"), tempfile.mkdtemp(prefix="vllm-responses-")]
+        os.environ[MULTIPROC_ENV] = self.shared_dirs[0]  # before any server imports prometheus_client
+        self.settings = dataclasses.replace(self.settings, response_store_dir=self.shared_dirs[1])
         self.core, self.pipes = start_engine_core(self.args, self.count)
         try:
             self.readies = [await_ready(from_core, self.core) for _, from_core in self.pipes]
@@ -71,7 +73,7 @@ class APIServerLauncher:
         if self.core.is_alive():
             self.core.kill()
             self.core.join()
-        self._remove_metrics_dir()
+        self._remove_shared_dirs()
 
     def serve(self) -> int:
         """Runs the servers until they have all exited; the exit code for `vllm serve`."""
@@ -159,12 +161,12 @@ class APIServerLauncher:
             logger.warning("the engine core did not exit after its front ends left; killing it")
             self.core.kill()
             self.core.join()
-        self._remove_metrics_dir()
+        self._remove_shared_dirs()
 
-    def _remove_metrics_dir(self) -> None:
-        if self.metrics_dir is not None:
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
-            self.metrics_dir = None
+    def _remove_shared_dirs(self) -> None:
+        for d in self.shared_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.shared_dirs = []
 
 
 def run_api_server(index: int, launcher_pid: int, settings: ServerSettings, sock: socket.socket, attach: tuple,

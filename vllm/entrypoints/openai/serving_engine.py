@@ -45,6 +45,7 @@ class ServerSettings:
     tools: ToolSettings = ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser
     show_hidden_metrics: bool = False  # --show-hidden-metrics-for-version: the deprecated metric names too
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: -1 (the whole vocabulary) needs it to cover the vocabulary
+    response_store_dir: str | None = None  # stored /v1/responses shared by several API server processes
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """`cached_tokens`: prompt tokens found in the prefix cache (RequestOutput.num_cached_tokens), summed over

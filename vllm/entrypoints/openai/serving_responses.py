@@ -6,15 +6,15 @@ tool call a `function_call` item whose `call_id` is the call's id. Streamed, the
 typed events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, ..., `response.completed`), each with its `sequence_number`.
 
-With `store` (the default), the response and its conversation are kept in memory (the last MAX_STORED), so
-`previous_response_id` continues it and GET returns it; an unknown id is a 404.
+With `store` (the default), the response and its conversation are kept (response_store.py: the last
+MAX_STORED, in memory, or in a directory that several API server processes share), so `previous_response_id`
+continues it and GET returns it; an unknown id is a 404.
 """
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import Any
 
@@ -22,13 +22,11 @@ from fastapi import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm.entrypoints.openai.protocol import APIError
+from vllm.entrypoints.openai.response_store import MAX_STORED, MemoryResponseStore, SharedResponseStore
 from vllm.entrypoints.openai.responses_protocol import ResponsesRequest, to_chat
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.sse import SSEResponse, started, until_disconnect
 from vllm.outputs import OutputJoiner
-
-MAX_STORED = 1024  # responses kept for previous_response_id and GET
-
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -135,23 +133,24 @@ def conversation_tail(items: list[dict]) -> list[dict]:
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat) -> None:
-        self.chat = chat
-        self.stored: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()  # id -> (response, conversation)
+    def __init__(self, chat: OpenAIServingChat, store: MemoryResponseStore | SharedResponseStore) -> None:
+        self.chat, self.store = chat, store
 
-    def get(self, response_id: str) -> dict:
-        if response_id not in self.stored:
+    async def get(self, response_id: str) -> dict:
+        entry = await self.store.get(response_id)
+        if entry is None:
             raise APIError(404, f"no stored response with id {response_id!r}", "response_id")
-        return self.stored[response_id][0]
+        return entry[0]
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         history: list[dict] = []
         if req.previous_response_id is not None:
-            if req.previous_response_id not in self.stored:
+            entry = await self.store.get(req.previous_response_id)
+            if entry is None:
                 raise APIError(404, f"previous_response_id {req.previous_response_id!r} is not a stored response "
                                f"(the server keeps the last {MAX_STORED} responses with store true)",
                                "previous_response_id")
-            history = self.stored[req.previous_response_id][1]
+            history = entry[1]
         try:
             chat_req, conversation = to_chat(req, history)
         except ValueError as e:
@@ -174,7 +173,8 @@ class OpenAIServingResponses:
                 "previous_response_id": req.previous_response_id, "store": req.store,
                 "text": req.text or {"format": {"type": "text"}}, "usage": None}
 
-    def _done(self, req: ResponsesRequest, base: dict, items: list[dict], last, conversation: list[dict]) -> dict:
+    async def _done(self, req: ResponsesRequest, base: dict, items: list[dict], last, conversation: list[dict]
+                    ) -> dict:
         c = last.outputs[0]
         status, details, error = "completed", None, None
         if c.finish_reason == "length":
@@ -189,9 +189,7 @@ class OpenAIServingResponses:
                           "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
                           "total_tokens": prompt + output}}
         if req.store:
-            self.stored[base["id"]] = (body, conversation + conversation_tail(items))
-            while len(self.stored) > MAX_STORED:
-                self.stored.popitem(last=False)
+            await self.store.put(base["id"], (body, conversation + conversation_tail(items)))
         return body
 
     async def _full(self, req, outputs, parser, base, conversation) -> Response:
@@ -203,7 +201,7 @@ class OpenAIServingResponses:
         builder = ResponseBuilder()
         builder.add(parser.message(last.outputs[0].text))
         builder.finish()
-        return JSONResponse(self._done(req, base, builder.items, last, conversation))
+        return JSONResponse(await self._done(req, base, builder.items, last, conversation))
 
     async def _stream(self, req, outputs, parser, base, conversation):
         builder = ResponseBuilder()
@@ -219,7 +217,7 @@ class OpenAIServingResponses:
                     yield _sse(e)
         for e in builder.finish():
             yield _sse(e)
-        body = self._done(req, base, builder.items, joined.pop(), conversation)
+        body = await self._done(req, base, builder.items, joined.pop(), conversation)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(body["status"],
                                                                                             "response.failed")
         yield _sse(builder.event(kind, response=body))
