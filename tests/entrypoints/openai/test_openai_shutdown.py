@@ -169,11 +169,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")
-def test_ctrl_c_while_the_engine_core_loads_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_ctrl_c_while_the_engine_core_loads_leaves_no_process(tmp_path, api_servers):
     """A terminal's Ctrl-C reaches the whole process group, the engine core process included, while it loads
-    the model: the server exits with 130 and nothing of the group is left running."""
+    the model: the server exits with 130 and nothing of the group is left running (with --api-server-count 2
+    the launcher loads the core before it starts the servers)."""
     out, err = open(tmp_path / "out", "w+"), open(tmp_path / "err", "w+")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--port", "0",
+                             "--api-server-count", api_servers],
                             stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -60,16 +60,16 @@ class APIServerLauncher:
         self.core, self.pipes = start_engine_core(self.args, self.count)
         try:
             self.readies = [await_ready(from_core, self.core) for _, from_core in self.pipes]
-        except BaseException:
-            self.stop_core()
+        except BaseException as e:  # a Ctrl-C while loading: nothing to wait for
+            self.stop_core(0 if isinstance(e, KeyboardInterrupt) else 5)
             raise
 
-    def stop_core(self) -> None:
+    def stop_core(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Ends the core (started, servers not): closing its pipes is every front end leaving."""
         for to_core, from_core in self.pipes:
             to_core.close()
             from_core.close()
-        self.core.join(SHUTDOWN_TIMEOUT_S)
+        self.core.join(timeout)
         if self.core.is_alive():
             self.core.kill()
             self.core.join()
