@@ -6,7 +6,8 @@ method such as reset_prefix_cache) between two steps:
 - `InprocClient` steps the core in a worker thread of the front end's process. All engine mutations (add,
   abort, step) happen in its loop task, one at a time: requests and aborts are queued and applied between
   steps, so the engine needs no locks. Tests use it to reach the engine's internals.
-- `MPClient` runs the core in a spawned process (`core.run_engine_core`), the server's default. A sender
+- `MPClient` runs the core in a spawned process (`core.run_engine_core`), the server's default, or is one of
+  several front ends of a core that `vllm serve --api-server-count N` started (`start_engine_core`). A sender
   thread writes to the core's pipe, so the event loop never blocks on a full pipe (which, with the core
   blocked writing outputs the loop was not reading, would deadlock); the loop reads outputs as the pipe becomes
   readable. If the core process dies, every request in flight fails and so does every new one.
@@ -333,8 +334,8 @@ class MPClient:
         self._loop.remove_reader(self._from_core.fileno())
 
     def _reap(self, timeout: float) -> None:
-        """Waits for our core process to exit (killing it after `timeout`); an attached front end only waits
-        for its pipe's STOPPED, sent before this."""
+        """Waits for our core process to exit (killing it after `timeout`); an attached front end's core is not
+        ours: closing the pipes is all (shutdown() waited for its STOPPED)."""
         if self.proc is not None:
             self.proc.join(timeout)
             if self.proc.is_alive():
