@@ -75,6 +75,9 @@ def server(start_server):
 
 
 def test_two_api_servers_answer_as_one_server(server, offline_llm, read_metrics):
+    deadline = time.monotonic() + 60  # /health answers once the first server listens; the line waits for both
+    while "(2 API server processes)" not in server.stdout() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert "(2 API server processes)" in server.stdout()
     workers = api_servers(server.proc.pid)
     assert len(workers) == 2
@@ -109,8 +112,9 @@ def test_stored_responses_are_found_through_every_server(server):
     assert last["previous_response_id"] is not None and last["status"] in ("completed", "incomplete")
 
 
-def test_sigterm_drains_every_server_and_leaves_no_process(start_server):
-    s = start_server("--api-server-count", "2")
+def test_sigterm_drains_every_server_and_leaves_no_process(server):
+    """Ends the module's server (the tests above use it)."""
+    s = server
     procs = descendants(s.proc.pid)
     environ = Path(f"/proc/{api_servers(s.proc.pid)[0]}/environ").read_bytes().split(b"\0")
     setting = next(e for e in environ if e.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
