@@ -1,7 +1,7 @@
 """`vllm serve --api-server-count 2`: two API server processes over one engine core answer as one server (greedy
 outputs equal offline, both processes serve, /metrics sums both whichever answers the scrape, a stored response is
 continued and read through either); SIGTERM drains
-both and leaves no process; a server that dies, or a launcher that dies, takes the whole server down with no
+both and leaves no process; a server, the core or the launcher that dies takes the whole server down with no
 process left behind."""
 from __future__ import annotations
 
@@ -133,16 +133,28 @@ def test_sigterm_drains_every_server_and_leaves_no_process(server):
     assert not metrics_dir.exists()  # the launcher removed it
 
 
-@pytest.mark.parametrize("victim", ["api_server", "launcher"])
+def engine_core(launcher_pid: int) -> int:
+    servers = api_servers(launcher_pid)
+    (core,) = [p for p in descendants(launcher_pid) if p not in servers and Path(f"/proc/{p}").exists()
+               and b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+               and int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid]
+    return core
+
+
+@pytest.mark.parametrize("victim", ["api_server", "engine_core", "launcher"])
 def test_a_dead_process_takes_the_whole_server_down(start_server, victim):
-    """A server that dies: the launcher stops the other and exits 1 (a supervisor restarts the whole). A launcher
-    that dies: its servers get SIGTERM and the core exits after them."""
+    """A server that dies: the launcher stops the other and exits 1 (a supervisor restarts the whole). The core
+    that dies: every server exits 1, and so does the launcher. A launcher that dies: its servers get SIGTERM and
+    the core exits after them."""
     s = start_server("--api-server-count", "2")
     procs = descendants(s.proc.pid)
-    target = api_servers(s.proc.pid)[0] if victim == "api_server" else s.proc.pid
+    target = {"api_server": lambda: api_servers(s.proc.pid)[0], "engine_core": lambda: engine_core(s.proc.pid),
+              "launcher": lambda: s.proc.pid}[victim]()
     os.kill(target, signal.SIGKILL)
     code = s.proc.wait(60)
-    assert code == (1 if victim == "api_server" else -signal.SIGKILL)
+    assert code == (-signal.SIGKILL if victim == "launcher" else 1)
     assert wait_gone(procs) == []
     if victim == "api_server":
         assert "exited (code -9) while serving" in s.stderr()
+    if victim == "engine_core":
+        assert "engine process died" in s.stderr()
