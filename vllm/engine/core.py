@@ -305,10 +305,10 @@ class _CoreServer:
         stats, now = self.core.stats(), time.monotonic()
         pending, self.pending = self.pending, {}
         for client in list(self.attached):
-            records, rejected = pending.get(client, ((), ()))
+            records, rejected = pending.get(client) or ([], [])
             if (records or rejected or len(self.inboxes) == 1 or going_idle
                     or now - self.stats_sent[client] >= STATS_EVERY_S):
-                self._post(client, (OUTPUTS, list(records), list(rejected), stats))
+                self._post(client, (OUTPUTS, records, rejected, stats))
                 self.stats_sent[client] = now
 
     def _post(self, client: int, msg: tuple) -> None:
