@@ -50,6 +50,7 @@ class APIServerLauncher:
         self.core: multiprocessing.Process | None = None
         self.servers: list[multiprocessing.Process] = []
         self.stopping = False
+        self.signalled: int | None = None  # the last signal forwarded
         self.shared_dirs: list[str] = []
 
     def start_core(self) -> None:
@@ -80,6 +81,8 @@ class APIServerLauncher:
         ctx = multiprocessing.get_context("spawn")
         ready_conns = []
         log_level = logging.getLogger().getEffectiveLevel()
+        # Forwarded from now on: a signal while the servers start reaches each once it is started.
+        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for i, ((to_core, from_core), (config, stats)) in enumerate(zip(self.pipes, self.readies)):
                 ready_recv, ready_send = ctx.Pipe(duplex=False)
@@ -91,48 +94,48 @@ class APIServerLauncher:
                 self.servers.append(proc)
                 ready_send.close()
                 ready_conns.append(ready_recv)
+                if self.signalled is not None:
+                    os.kill(proc.pid, self.signalled)
             for to_core, from_core in self.pipes:  # the servers hold them now: the core sees EOF when they go
                 to_core.close()
                 from_core.close()
             return self._watch(ready_conns)
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self._reap()
 
     def _watch(self, ready_conns: list[Connection]) -> int:
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            exit_code, ready = 0, 0
-            alive = {p.sentinel: p for p in self.servers}
-            core_sentinel = self.core.sentinel
-            while alive:
-                for obj in wait([*alive, *ready_conns, *([core_sentinel] if core_sentinel else [])]):
-                    if obj is core_sentinel:
-                        core_sentinel = None  # each server reports it and exits 1
-                        if not self.stopping:
-                            logger.error("the engine core process died (exit code %s)", self.core.exitcode)
-                    elif isinstance(obj, Connection):
-                        ready_conns.remove(obj)
-                        with contextlib.suppress(EOFError, OSError):
-                            obj.recv()
-                            ready += 1
-                            if ready == self.count:
-                                self._announce()
-                    else:
-                        proc = alive.pop(obj)
-                        proc.join()
-                        if proc.exitcode != 0 or not self.stopping:
-                            exit_code = 1
-                        if not self.stopping:
-                            logger.error("API server %s exited (code %s) while serving: stopping the others so that "
-                                         "a supervisor restarts the whole server", proc.name, proc.exitcode)
-                            self._signal_servers(signal.SIGTERM)
-            return exit_code
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        exit_code, ready = 0, 0
+        alive = {p.sentinel: p for p in self.servers}
+        core_sentinel = self.core.sentinel
+        while alive:
+            for obj in wait([*alive, *ready_conns, *([core_sentinel] if core_sentinel else [])]):
+                if obj is core_sentinel:
+                    core_sentinel = None  # each server reports it and exits 1
+                    if not self.stopping:
+                        logger.error("the engine core process died (exit code %s)", self.core.exitcode)
+                elif isinstance(obj, Connection):
+                    ready_conns.remove(obj)
+                    with contextlib.suppress(EOFError, OSError):
+                        obj.recv()
+                        ready += 1
+                        if ready == self.count:
+                            self._announce()
+                else:
+                    proc = alive.pop(obj)
+                    proc.join()
+                    if proc.exitcode != 0 or not self.stopping:
+                        exit_code = 1
+                    if not self.stopping:
+                        logger.error("API server %s exited (code %s) while serving: stopping the others so that "
+                                     "a supervisor restarts the whole server", proc.name, proc.exitcode)
+                        self._signal_servers(signal.SIGTERM)
+        return exit_code
 
     def _forward(self, sig, frame) -> None:
         """SIGINT and SIGTERM mean to each server what they mean to a lone one, a second one included."""
+        self.signalled = sig
         self._signal_servers(sig)
 
     def _signal_servers(self, sig: int) -> None:
