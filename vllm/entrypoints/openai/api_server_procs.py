@@ -55,9 +55,11 @@ class APIServerLauncher:
 
     def start_core(self) -> None:
         """Starts the engine core and waits until it has loaded (its error if it could not)."""
-        self.shared_dirs = [tempfile.mkdtemp(prefix="vllm-metrics-"), tempfile.mkdtemp(prefix="vllm-responses-")]
-        os.environ[MULTIPROC_ENV] = self.shared_dirs[0]  # before any server imports prometheus_client
-        self.settings = dataclasses.replace(self.settings, response_store_dir=self.shared_dirs[1])
+        self.shared_dirs = [tempfile.mkdtemp(prefix="vllm-responses-")]
+        self.settings = dataclasses.replace(self.settings, response_store_dir=self.shared_dirs[0])
+        if not os.environ.get(MULTIPROC_ENV):  # a directory the user set is theirs: used, and left in place
+            self.shared_dirs.append(tempfile.mkdtemp(prefix="vllm-metrics-"))
+            os.environ[MULTIPROC_ENV] = self.shared_dirs[-1]  # before any server imports prometheus_client
         self.core, self.pipes = start_engine_core(self.args, self.count)
         try:
             self.readies = [await_ready(from_core, self.core) for _, from_core in self.pipes]
