@@ -52,7 +52,7 @@ if os.environ.get("TTFT_TRACE"):
         setattr(cls, name, timed)
 
     # Patched as each module finishes importing (its last class defined), then the import hook is removed.
-    _pending = {"vllm.engine.core": "run_engine_core", "vllm.engine.core_client": "MPClient",
+    _pending = {"vllm.engine.core": "portable", "vllm.engine.core_client": "MPClient",
                 "vllm.entrypoints.openai.serving_completion": "_Run"}
     _import = builtins.__import__
 

@@ -11,7 +11,8 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm import AsyncLLM
-from vllm.engine.core_client import MPClient, await_ready, start_engine_core
+from vllm.engine.core_client import MPClient
+from vllm.engine.core_proc import await_ready, start_engine_core
 
 from tests.engine.test_async_llm import ARGS, GREEDY, assert_all_free, collect, prompts
 

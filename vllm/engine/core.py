@@ -1,4 +1,4 @@
-"""EngineCore: the engine as the server drives it, and `run_engine_core`, its loop in a process of its own.
+"""EngineCore: the engine as the server drives it, and the protocol of its process (core_proc.py runs it).
 
 `EngineCore` wraps an LLMEngine with what serving needs around a step: bad input fails only its request, a step
 that raises fails the requests in flight and the engine serves on, and counters for the metrics. The front end
@@ -27,22 +27,14 @@ import dataclasses
 import itertools
 import logging
 import pickle
-import selectors
-import signal
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
-from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.core_router import ClientRouter, Routed
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
-from vllm.logger import init_logging
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.spec_decode.metrics import SpecDecodeStats
-from vllm.utils import freeze_gc_heap
-from vllm.worker.compile_watch import COMPILE_WATCH
 
 logger = logging.getLogger(__name__)
 
@@ -189,132 +181,3 @@ def portable(error: BaseException) -> Exception:
         return error
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def run_engine_core(args: EngineArgs, inboxes: list[Connection], outboxes: list[Connection], log_level: int) -> None:
-    """The engine core process's main (EngineCoreProc upstream): builds the engine, then serves its front ends'
-    pipes (one pair each: several with --api-server-count) until each has sent SHUTDOWN or gone away (its end of
-    the pipe closes)."""
-    # A Ctrl-C reaches the whole process group; the front end turns it into a SHUTDOWN that ends the requests
-    # in flight cleanly. SIGTERM keeps its default: it is how the front end's exit reaps a core it could not stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    init_logging(log_level)
-    try:
-        core = EngineCore(LLMEngine.from_engine_args(args, front_end_outputs=True))
-    except BaseException as e:  # noqa: BLE001 - the front end reports it and exits
-        if not isinstance(e, ValueError):  # bad input is one line there; anything else keeps its traceback here
-            logger.exception("the engine failed to start")
-        for outbox in outboxes:
-            outbox.send((FAILED, portable(e)))
-        return
-    freeze_gc_heap()  # the engine lives as long as this process
-    COMPILE_WATCH.install()  # from here on a Triton compile stalls the requests in flight: say so
-    try:
-        for outbox in outboxes:
-            outbox.send((READY, core.engine.config, core.stats()))
-    except OSError:
-        logger.warning("a front end went away while the engine started; the engine core exits")
-        return
-    _CoreServer(core, inboxes, outboxes).serve()
-
-
-# A front end that got no outputs in a turn still hears the core's stats this often (its /metrics gauges), and
-# whenever the core goes idle; with one front end, after every turn that changed something.
-STATS_EVERY_S = 0.05
-
-
-class _CoreServer:
-    """The core process's loop over its front ends' pipes: apply what they sent, step, send each its outputs."""
-
-    def __init__(self, core: EngineCore, inboxes: list[Connection], outboxes: list[Connection]) -> None:
-        self.core, self.inboxes, self.outboxes = core, inboxes, outboxes
-        self.router = ClientRouter(len(inboxes))
-        self.attached = dict(enumerate(inboxes))  # client index -> its inbox, until it leaves
-        self.selector = selectors.DefaultSelector()  # kept, not built per wait (multiprocessing's wait() does)
-        for client, inbox in self.attached.items():
-            self.selector.register(inbox, selectors.EVENT_READ, client)
-        self.pending: Routed = {}  # per client, the records and rejections of this turn not sent yet
-        self.stats_sent = [0.0] * len(inboxes)
-
-    def serve(self) -> None:
-        core = self.core
-        while self.attached:
-            changed = False
-            idle = not core.has_work()  # idle: sleep until a front end sends something
-            while self.attached and (ready := self._ready(block=idle)):
-                idle, changed = False, True
-                for client in ready:
-                    if client in self.attached:  # not gone earlier in this batch
-                        self._receive(client)
-            if core.has_work():
-                self._collect(*core.step())
-                changed = True
-            if changed:
-                self._send(going_idle=not core.has_work())
-        logger.info("every front end has left; the engine core exits")
-
-    def _ready(self, block: bool) -> list[int]:
-        if len(self.attached) == 1:
-            ((client, inbox),) = self.attached.items()
-            return [client] if block or inbox.poll() else []
-        return [key.data for key, _ in self.selector.select(None if block else 0)]
-
-    def _receive(self, client: int) -> None:
-        core, router = self.core, self.router
-        try:
-            msg = self.attached[client].recv()
-        except (EOFError, OSError):
-            logger.warning("front end %d went away; its requests are aborted", client)
-            self._leave(client)
-            return
-        kind = msg[0]
-        if kind == ADD:
-            error = core.add_request(*msg[1:])
-            if error is None:
-                router.add(client, msg[1], core.engine.output_processor.child_ids(msg[1]))
-            else:
-                self.pending.setdefault(client, ([], []))[1].append((msg[1], portable(error)))
-        elif kind == ABORT:
-            if router.owns(client, msg[1]):
-                self._collect(core.abort(msg[1]), [])
-        elif kind == FINISH:
-            core.engine.finish_children(router.own_children(client, msg[1]))
-        elif kind == CALL:
-            self._post(client, (RESULT, msg[1], *core.call(msg[2], msg[3])))
-        else:  # SHUTDOWN: this front end is leaving; its requests end with finish_reason "abort"
-            records, rejected = self._leave(client)
-            self._post(client, (STOPPED, records, rejected, core.stats()))
-
-    def _leave(self, client: int) -> tuple[list, list]:
-        """Aborts the client's requests and detaches it; returns what it had not been sent yet."""
-        core = self.core
-        mine = core.abort_all() if len(self.inboxes) == 1 else core.abort(self.router.requests_of(client))
-        self._collect(mine, [])
-        if self.attached.pop(client, None) is not None:
-            self.selector.unregister(self.inboxes[client])
-        return self.pending.pop(client, ([], []))
-
-    def _collect(self, records: list, rejected: Rejected) -> None:
-        for client, (recs, rejs) in self.router.route(records, rejected).items():
-            if client in self.attached:
-                mine = self.pending.setdefault(client, ([], []))
-                mine[0].extend(recs)
-                mine[1].extend(rejs)
-
-    def _send(self, going_idle: bool) -> None:
-        stats, now = self.core.stats(), time.monotonic()
-        pending, self.pending = self.pending, {}
-        for client in list(self.attached):
-            records, rejected = pending.get(client) or ([], [])
-            if (records or rejected or len(self.inboxes) == 1 or going_idle
-                    or now - self.stats_sent[client] >= STATS_EVERY_S):
-                self._post(client, (OUTPUTS, records, rejected, stats))
-                self.stats_sent[client] = now
-
-    def _post(self, client: int, msg: tuple) -> None:
-        try:
-            self.outboxes[client].send(msg)
-        except OSError:  # it is gone; its inbox reports EOF next
-            logger.warning("front end %d went away; its requests are aborted", client)
-            if client in self.attached:
-                self._leave(client)

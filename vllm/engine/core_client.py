@@ -6,7 +6,7 @@ method such as reset_prefix_cache) between two steps:
 - `InprocClient` steps the core in a worker thread of the front end's process. All engine mutations (add,
   abort, step) happen in its loop task, one at a time: requests and aborts are queued and applied between
   steps, so the engine needs no locks. Tests use it to reach the engine's internals.
-- `MPClient` runs the core in a spawned process (`core.run_engine_core`), the server's default, or is one of
+- `MPClient` runs the core in a spawned process (`core_proc.run_engine_core`), the server's default, or is one of
   several front ends of a core that `vllm serve --api-server-count N` started (`start_engine_core`). A sender
   thread writes to the core's pipe, so the event loop never blocks on a full pipe (which, with the core
   blocked writing outputs the loop was not reading, would deadlock); the loop reads outputs as the pipe becomes
@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import queue
 import threading
 from typing import Protocol
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.core import (ABORT, ADD, CALL, FAILED, FINISH, OUTPUTS, READY, RESULT, SHUTDOWN, STOPPED,
-                              EngineCore, EngineStats, Rejected, run_engine_core)
+from vllm.engine.core import (ABORT, ADD, CALL, FINISH, OUTPUTS, RESULT, SHUTDOWN, STOPPED, EngineCore, EngineStats,
+                              Rejected)
+from vllm.engine.core_proc import await_ready, start_engine_core
 from vllm.engine.frontend_outputs import FrontEndOutputs
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.outputs import RequestOutput
@@ -144,37 +144,6 @@ class InprocClient:
                     future.set_result(value)
                 else:
                     future.set_exception(error)
-
-
-def start_engine_core(args: EngineArgs, num_clients: int = 1) -> tuple[multiprocessing.Process, list[tuple]]:
-    """Spawns the engine core process with a pipe pair per front end: (its process, [(to_core, from_core)])."""
-    ctx = multiprocessing.get_context("spawn")  # a forked child would inherit CUDA and the loop's threads
-    ends = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(num_clients)]
-    inboxes = [inbox for (inbox, _), _ in ends]
-    outboxes = [outbox for _, (_, outbox) in ends]
-    proc = ctx.Process(target=run_engine_core, name="EngineCore", daemon=True,
-                       args=(args, inboxes, outboxes, logging.getLogger().getEffectiveLevel()))
-    proc.start()
-    for conn in inboxes + outboxes:  # the child's ends: closed here, so a pipe reports EOF when the child is gone
-        conn.close()
-    return proc, [(to_core, from_core) for (_, to_core), (from_core, _) in ends]
-
-
-def await_ready(from_core, proc: multiprocessing.Process | None) -> tuple:
-    """The core's (config, stats) once it has started; its error if it failed to."""
-    try:
-        msg = from_core.recv()
-    except EOFError:
-        code = "?"
-        if proc is not None:
-            proc.join(5)
-            code = proc.exitcode
-        raise RuntimeError(f"the engine process exited with code {code} while starting; its log above says "
-                           "why") from None
-    if msg[0] == FAILED:
-        raise msg[1]
-    assert msg[0] == READY, msg[0]
-    return msg[1], msg[2]
 
 
 class MPClient:

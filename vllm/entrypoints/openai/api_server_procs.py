@@ -33,7 +33,8 @@ import tempfile
 from multiprocessing.connection import Connection, wait
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.core_client import SHUTDOWN_TIMEOUT_S, await_ready, start_engine_core
+from vllm.engine.core_client import SHUTDOWN_TIMEOUT_S
+from vllm.engine.core_proc import await_ready, start_engine_core
 from vllm.entrypoints.openai.serving_engine import ServerSettings
 
 logger = logging.getLogger("vllm.entrypoints.openai")
