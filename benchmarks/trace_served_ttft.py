@@ -61,7 +61,7 @@ def hops(t0: float, t_first: float, events: list[tuple[float, str, str]]) -> dic
     core = added[1]
     step0 = first(lambda n: n == "step_begin", added[0])
     done = step0 and next(((t, p, n) for t, p, n in window if t >= step0[0] and p == core and
-                           n.startswith("step_end") and n != "step_end 0"), None)
+                           n.startswith("step_end") and n.split()[1] != "0"), None)
     got = done and next(((t, p, n) for t, p, n in window if t >= done[0] and p != core and
                          n.startswith("recv outputs") and n != "recv outputs 0"), None)
     chunk = got and first(lambda n: n == "sse", got[0])

@@ -33,13 +33,13 @@ if os.environ.get("TTFT_TRACE"):
 
     mpc.Connection.send, mpc.Connection.recv = send, recv
 
-    def _wrap(cls, name: str, label: str, count_outputs: bool = False):
+    def _wrap(cls, name: str, label: str):
         inner = getattr(cls, name)
 
         def timed(*args, **kwargs):
             event(f"{label}_begin")
             out = inner(*args, **kwargs)
-            event(f"{label}_end {len(out[0])}" if count_outputs else f"{label}_end")
+            event(f"{label}_end")
             return out
         setattr(cls, name, timed)
 
@@ -58,7 +58,17 @@ if os.environ.get("TTFT_TRACE"):
 
     def _patch(module: str, m) -> None:
         if module == "vllm.engine.core":
-            _wrap(m.EngineCore, "step", "step", count_outputs=True)
+            inner = m.EngineCore.step
+
+            def step(self):
+                # step_end <outputs> <rows> <tokens> <prefill rows> <prefill tokens>: the step launched last
+                event("step_begin")
+                out = inner(self)
+                rows = getattr(self.engine.last_scheduled, "scheduled", None) or []
+                pre = [r.num_tokens for r in rows if r.is_prefilling]
+                event(f"step_end {len(out[0])} {len(rows)} {sum(r.num_tokens for r in rows)} {len(pre)} {sum(pre)}")
+                return out
+            m.EngineCore.step = step
         elif module == "vllm.engine.core_client":
             _wrap(m.MPClient, "add_request", "add_request")
             _wrap(m.MPClient, "_deliver", "deliver")
