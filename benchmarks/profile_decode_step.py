@@ -9,8 +9,9 @@ synchronisations and copies per step, and the time per step over `--steps` back-
 at the end, so overlapped host work is not counted twice). This is what showed the MoE
 every-expert path putting ~2,300 small kernels into each decode graph (results/gpu/*profile_decode_step*).
 
-`--prefill 32x256` profiles one prefill step instead: 32 prompts of 256 tokens in one step, as the served load's
-waves bring them, on the default engine (graphs for decode, async scheduling).
+`--prefill 1x256,5x256,32x256+32` profiles prefill steps instead: N prompts of L tokens in one step (beside D
+requests' decode rows with +D), as the served load's waves bring them, on the served engine's defaults (graphs,
+async scheduling, prefix caching unless --no-prefix-caching), then lists each step's wall and kernel time.
 """
 from __future__ import annotations
 
@@ -48,20 +49,29 @@ def report(prof, steps: int, rows: int, device: str) -> None:
         print(f"per step: {sum(e.count for e in kernels) / steps:.0f} kernels, "
               f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms of kernel time; "
               f"{sum(e.count for e in device_events if e not in kernels) / steps:.0f} copies/memsets", flush=True)
+    return sum(e.self_device_time_total for e in kernels) / steps / 1e3 if kernels else None
 
 
-def profile_prefill(llm, num_prompts: int, prompt_len: int, rows: int, device: str) -> None:
-    """One step of `num_prompts` prompt chunks of `prompt_len` tokens (the served load's prefill wave), after
-    the same step once unprofiled; its wall time is the median of 5 more."""
+def profile_prefill(llm, num_prompts: int, prompt_len: int, num_decode: int, rows: int, device: str) -> dict:
+    """One step of `num_prompts` prompt chunks of `prompt_len` tokens (the served load's prefill wave) beside
+    `num_decode` requests' decode rows, after the same step once unprofiled; its wall time is the median of 5 more."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    decoding = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     gen = torch.Generator().manual_seed(num_prompts)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     times = []
+    name = f"{num_prompts}x{prompt_len}" + (f"+{num_decode}" if num_decode else "")
     for run in range(7):
+        decoders = [f"decode{name}-{run}-{i}" for i in range(num_decode)]
+        for rid in decoders:
+            engine.add_request(rid, {"prompt_token_ids": torch.randint(3, engine.vocab_size, (16,),
+                                                                        generator=gen).tolist()}, decoding)
+        for _ in range(3 if decoders else 0):  # their prefill, then decode steps
+            engine.step()
         for i in range(num_prompts):
             ids = torch.randint(3, engine.vocab_size, (prompt_len,), generator=gen).tolist()
-            engine.add_request(f"prefill{run}-{i}", {"prompt_token_ids": ids}, params)
+            engine.add_request(f"prefill{name}-{run}-{i}", {"prompt_token_ids": ids}, params)
         sync(device)
         if run == 1:
             with profile(activities=activities) as prof:
@@ -72,12 +82,14 @@ def profile_prefill(llm, num_prompts: int, prompt_len: int, rows: int, device: s
             engine.step()
             sync(device)
             times.append(time.perf_counter() - t0)
+        engine.abort_request(decoders)
         while engine.has_unfinished_requests():
             engine.step()
-    print(f"=== prefill step: {num_prompts} x {prompt_len} tokens")
-    report(prof, 1, rows, device)
-    print(f"step time {sorted(times[1:])[len(times[1:]) // 2] * 1e3:.2f} ms (median of 5 unprofiled steps)",
-          flush=True)
+    print(f"=== prefill step: {num_prompts} x {prompt_len} tokens, {num_decode} decode rows")
+    kernel_ms = report(prof, 1, rows, device)
+    wall_ms = sorted(times[1:])[len(times[1:]) // 2] * 1e3
+    print(f"step time {wall_ms:.2f} ms (median of 5 unprofiled steps)", flush=True)
+    return {"shape": name, "step_ms": wall_ms, "kernel_ms": kernel_ms}
 
 
 def profile_steps(llm, batch: int, steps: int, rows: int, device: str) -> None:
@@ -127,7 +139,9 @@ def main() -> None:
     ap.add_argument("--modes", default="graphs_async,graphs_sync,eager",
                     help="engines to profile: graphs_async, graphs_sync, eager")
     ap.add_argument("--prefill", default=None, metavar="NxL",
-                    help="profile one prefill step of N prompts of L tokens instead (default engine: graphs, async)")
+                    help="profile one prefill step of N prompts of L tokens instead, for each NxL of a comma-separated "
+                         "list (default engine: graphs, async)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="with --prefill: prefix caching off")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp(prefix="profile_decode_"))
     build_checkpoint(argparse.Namespace(config=args.config, device=args.device, dtype=args.dtype, seed=0), path)
@@ -135,17 +149,32 @@ def main() -> None:
     engine_args = argparse.Namespace(dtype=args.dtype, device=args.device, seed=0, prompt_len=16,
                                      output_len=8 * args.steps + 20, num_spec=0,
                                      gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
+        from vllm.assets import TINY_TOKENIZER_DIR
+        tokenizer = {"tokenizer": str(TINY_TOKENIZER_DIR)}
+    else:
+        tokenizer = {}
     if args.prefill:
-        n, length = (int(v) for v in args.prefill.split("x"))
-        engine_args.prompt_len, engine_args.output_len = length, 1
-        llm = make_llm(engine_args, path, True, None, n, max_num_batched_tokens=max(8192, n * length))
-        profile_prefill(llm, n, length, args.rows, args.device)
+        shapes = []  # (prompts, tokens each, decode rows) from NxL or NxL+D
+        for shape in args.prefill.split(","):
+            nl, _, d = shape.partition("+")
+            n, length = (int(v) for v in nl.split("x"))
+            shapes.append((n, length, int(d or 0)))
+        engine_args.prompt_len, engine_args.output_len = max(length for _, length, _ in shapes), 64
+        # The served engine's defaults (compilation mode included), with a step large enough for every shape.
+        llm = make_llm(engine_args, path, True, None, max(n + d for n, _, d in shapes), compilation_config=None,
+                       enable_prefix_caching=not args.no_prefix_caching,
+                       max_num_batched_tokens=max(8192, *(n * length + d for n, length, d in shapes)), **tokenizer)
+        results = [profile_prefill(llm, n, length, d, args.rows, args.device) for n, length, d in shapes]
+        for r in results:
+            kernels = "" if r["kernel_ms"] is None else f", {r['kernel_ms']:.2f} ms of kernels"
+            print(f"prefill {r['shape']:>12}: step {r['step_ms']:.2f} ms{kernels}")
         return
     modes = {"graphs_async": (True, True), "graphs_sync": (True, False), "eager": (False, True)}
     for graphs, overlap in (modes[m] for m in args.modes.split(",")):
         print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}, "
               f"{'async scheduling' if overlap else 'synchronous'}")
-        llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap)
+        llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap, **tokenizer)
         for b in batches:
             profile_steps(llm, b, args.steps, args.rows, args.device)
         del llm
