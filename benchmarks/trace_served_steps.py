@@ -9,7 +9,9 @@ Serves the offline benchmark's random checkpoint (same --config and --seed) as b
 benchmarks/ttft_trace/ on PYTHONPATH so that the core stamps each step (its outputs, rows, tokens, prefill rows
 and tokens) and each request's arrival. Runs one warm-up round, then --waves x concurrency streamed requests
 (logprobs=0, exactly --output-len tokens) and splits the load's wall time in the core into: steps that ran a
-prompt chunk, decode-only steps, and idle (no step running). With every request's cycle the same length, the
+prompt chunk, decode-only steps, and idle (no step running). Per wave after the first, from the client's send
+times (its clock is the core's): how long after the wave before ended the first request is sent, and how far
+the sends and the core's arrivals spread. With every request's cycle the same length, the
 closed loop's streams go in waves; the report gives the decode-only steps' mean rows (the batch the core ran)
 and time, which with the prefill steps' total is the offline run's cost of the same work.
 """
@@ -74,6 +76,26 @@ def breakdown(steps: list[dict], arrivals: list[float], wall: float) -> dict:
     }
 
 
+def waves(requests: list[dict], arrivals: list[float], steps: list[dict], concurrency: int) -> dict:
+    """Medians over the load's waves (requests in send order, `concurrency` a wave; the first wave, sent at
+    once, is left out) of: the core's last step before this wave's first send -> that send (the outputs' way
+    to the client and its next send), the last finish the client saw before it -> that send, the spread of
+    its sends, the spread of its arrivals at the core, and the median lag from send to arrival (sends and
+    arrivals paired in order)."""
+    sends = sorted(r["start"] for r in requests if r.get("start") is not None)
+    ends = sorted(r["start"] + r["e2e"] for r in requests if r.get("e2e") is not None)
+    arrivals = sorted(arrivals)
+    rows = []
+    for w in range(1, min(len(sends), len(arrivals)) // concurrency):
+        s, a = sends[w * concurrency:(w + 1) * concurrency], arrivals[w * concurrency:(w + 1) * concurrency]
+        before = [e for e in ends if e <= s[0]]
+        core_end = max((st["t"] + st["s"] for st in steps if st["t"] + st["s"] <= s[0]), default=float("nan"))
+        rows.append({"core_end_to_send": s[0] - core_end,
+                     "finish_to_send": s[0] - before[-1] if before else float("nan"), "send_spread": s[-1] - s[0],
+                     "arrival_spread": a[-1] - a[0], "send_to_arrival": float(np.median(np.subtract(a, s)))})
+    return {f"{k}_ms": 1e3 * float(np.median([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_args(ap)
@@ -123,6 +145,7 @@ def main() -> None:
     start = min(arrivals) if arrivals else t0
     end = max((s["t"] + s["s"] for s in steps), default=t1)
     summary = breakdown([s for s in steps if s["t"] >= start], arrivals, end - start)
+    summary.update(waves(res["requests"], arrivals, steps, c))
     s = res["summary"]
     print(f"{s['output_token_throughput']:.1f} output tok/s, TTFT median {s['ttft_ms']['median']:.1f} ms, "
           f"TPOT median {s['tpot_ms']['median']:.2f} ms")
