@@ -233,6 +233,24 @@ def test_real_shapes_cuda(dtype, H, num_splits, prefill_min_query_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prompt_chunks_of_a_step_in_one_varlen_call_cuda(dtype):
+    """A served wave's step: fresh prompts, chunks over cached context (lower-right causal) and decode rows
+    together; the chunks run in one varlen flash call (unabsorbed_varlen), matching the reference per row."""
+    from vllm.attention.mla.triton_mla import _varlen_flash_fits
+    gen = torch.Generator().manual_seed(7)
+    d, num_blocks = dict(REAL, H=32), 400
+    ctx, qlens = [0, 900, 0, 2000, 37, 0, 1500], [256, 1, 17, 64, 100, 300, 1]
+    common = _make_common(ctx, qlens, d["bs"], num_blocks, "cuda", gen)
+    meta = TritonMLABackend.builder(d["bs"]).build(common)
+    assert [r.req for r in meta.prefill_rows] == [0, 2, 3, 4, 5]
+    n = sum(qlens)
+    inputs = _inputs(n + 1, d["H"], d["nope"], d["rope"], d["v"], d["L"], num_blocks, d["bs"], dtype, "cuda", gen)
+    assert _varlen_flash_fits(inputs[0], d["v"])
+    _check(*_run_both(common, *inputs, d, triton_meta=meta), n, dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefill_min_query_len", [ALL_ABSORBED, 4])
 def test_build_does_not_sync_cuda(prefill_min_query_len):
     gen = torch.Generator().manual_seed(5)

@@ -11,14 +11,16 @@ Prompt chunks longer than `prefill_min_query_len` tokens run unabsorbed, as upst
 request's latent rows are decompressed through kv_b_proj into per-head K and V, and flash attention (torch
 SDPA) runs causally over them. Absorbed attention spends (L + R) + L = 1088 multiply-adds per score and head
 against (nope + R) + v = 320 unabsorbed, and its latent-width tiles run far below tensor peak: at a 32K
-prompt of the 1.3B config it was 230 of 318 ms of GPU time. This path reads host row lengths, so it is
-planned only outside graph capture (prompt chunks run eagerly under FULL_DECODE_ONLY); a captured graph
-keeps every row absorbed.
+prompt of the 1.3B config it was 230 of 318 ms of GPU time. A step's chunks run together: one gather and
+GEMM decompress their contexts, one varlen flash attention covers them (`unabsorbed_varlen`). This path
+reads host row lengths, so it is planned only outside graph capture (prompt chunks run eagerly under
+FULL_DECODE_ONLY); a captured graph keeps every row absorbed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
@@ -160,11 +162,53 @@ class TritonMLABackend(AttentionBackend):
                                               meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len,
                                               meta.max_seq_len, scale, meta.num_splits, meta.skip_reqs)
             torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        for row in meta.prefill_rows:
-            out[row.q_start:row.q_end] = unabsorbed_attention(
-                q[row.q_start:row.q_end], kv_cache, meta.block_table[row.req], row.seq_len, kv_b_weight,
-                qk_nope_head_dim, v_head_dim, scale)
+        if len(meta.prefill_rows) > 1 and _varlen_flash_fits(q, v_head_dim):
+            unabsorbed_varlen(q, kv_cache, meta.block_table, meta.prefill_rows, kv_b_weight, qk_nope_head_dim,
+                              v_head_dim, scale, out)
+        else:
+            for row in meta.prefill_rows:
+                out[row.q_start:row.q_end] = unabsorbed_attention(
+                    q[row.q_start:row.q_end], kv_cache, meta.block_table[row.req], row.seq_len, kv_b_weight,
+                    qk_nope_head_dim, v_head_dim, scale)
         return out
+
+
+def _varlen_flash_fits(q: torch.Tensor, v_head_dim: int) -> bool:
+    """FlashAttention-2's varlen kernel (inside torch) takes this step: half precision on a GPU, q/k head dims
+    a multiple of 8 up to 256, v no wider than q (padded to it)."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % _HEAD_DIM_ALIGN == 0 and d <= 256
+            and v_head_dim <= d and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+def unabsorbed_varlen(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      rows: tuple[PrefillRow, ...], kv_b_weight: torch.Tensor, qk_nope_head_dim: int,
+                      v_head_dim: int, scale: float, out: torch.Tensor) -> None:
+    """Every unabsorbed prompt chunk of the step at once (as unabsorbed_attention does one): the rows' latent
+    contexts gathered and decompressed in one GEMM, one varlen flash attention over them, causal aligned to
+    the lower right per row. A loop over rows launched ~20 kernels per chunk and layer: a wave of 32 prompts
+    spent more host time there than the GPU needed for the whole step. Writes the rows' outputs into `out`."""
+    H, d = q.shape[1], q.shape[2]
+    block_size, L = kv_cache.shape[1], kv_b_weight.shape[1]
+    q_lens = [r.q_end - r.q_start for r in rows]
+    seq_lens = [r.seq_len for r in rows]
+    # Host-built indices (the rows' bounds are host ints), one copy to the device.
+    q_index = np.concatenate([np.arange(r.q_start, r.q_end) for r in rows])
+    req = np.repeat([r.req for r in rows], seq_lens)
+    pos = np.concatenate([np.arange(n) for n in seq_lens])
+    cu = np.concatenate([np.cumsum([0] + q_lens), np.cumsum([0] + seq_lens)])
+    host = async_tensor_h2d(np.concatenate([q_index, req, pos, cu]), torch.int64, q.device)
+    nq, nk = len(q_index), len(pos)
+    q_index, req, pos = host[:nq], host[nq:nq + nk], host[nq + nk:nq + 2 * nk]
+    cu_q, cu_k = host[nq + 2 * nk:].int().split(len(rows) + 1)
+    slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
+    lat = kv_cache.view(-1, kv_cache.shape[-1])[slots]
+    kv = (lat[:, :L].to(q.dtype) @ kv_b_weight.to(q.dtype).t()).view(nk, H, qk_nope_head_dim + v_head_dim)
+    k = torch.cat([kv[..., :qk_nope_head_dim], lat[:, None, L:].to(q.dtype).expand(nk, H, -1)], dim=-1)
+    v = torch.nn.functional.pad(kv[..., qk_nope_head_dim:], (0, d - v_head_dim))
+    o = torch.ops.aten._flash_attention_forward(q[q_index], k, v, cu_q, cu_k, max(q_lens), max(seq_lens), 0.0,
+                                                True, False, scale=scale)[0]
+    out[q_index] = o[..., :v_head_dim]
 
 
 def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
