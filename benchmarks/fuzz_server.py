@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -208,8 +209,17 @@ async def _health_during_huge_prompt(client: httpx.AsyncClient) -> float:
     return worst
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def start_server(extra: list[str], api_key: str | None = KEY, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`vllm serve` on a free loopback port with `extra` flags, once /health answers; (process, base URL)."""
+    """`vllm serve` on a free loopback port with `extra` flags, once /health answers; (process, base URL).
+
+    A benchmark stopped by SIGTERM (timeout(1) on the device machine) exits through its `finally`, which stops
+    the server: by default the signal would end this process at once and leave the server running."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
