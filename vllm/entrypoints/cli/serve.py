@@ -38,7 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"/version (default: ${API_KEY_ENV} if set)")
     p.add_argument("--max-log-len", type=int, default=None,
                    help="log at most this many prompt characters (or token ids) per request")
-    p.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    # Upstream's flags: requests are not logged unless asked for (logs_requests).
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt (at most --max-log-len of it) and sampling parameters")
+    p.add_argument("--disable-log-requests", action="store_true", help="do not log requests (the default)")
     p.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies are refused with 413 (default: 1 MiB)")
@@ -91,8 +94,6 @@ SERVER_ARGS = {a.name: a for a in [
     UpstreamArg("middleware", UNSUPPORTED, "extra ASGI middleware is not loaded"),
     UpstreamArg("response_role", UNSUPPORTED, "answers always have the role assistant", (), str,
                 lambda v: v in (None, "assistant")),
-    UpstreamArg("enable_log_requests", IGNORED, "requests are logged unless --disable-log-requests", (), None,
-                lambda v: v in (None, True)),
     UpstreamArg("enable_request_id_headers", IGNORED, "responses carry their id in the body", (), None),
     UpstreamArg("disable_frontend_multiprocessing", IGNORED, "the HTTP server and the engine core are already "
                 "in separate processes as they need", (), None),
@@ -154,7 +155,8 @@ def _run(args: argparse.Namespace, loading: contextlib.ExitStack, interrupted: l
     from vllm.entrypoints.openai.serving_engine import ServerSettings
 
     settings = ServerSettings(served_model_names=args.served_model_name or [args.model],
-                              max_log_len=args.max_log_len, log_requests=not args.disable_log_requests,
+                              max_log_len=args.max_log_len,
+                              log_requests=logs_requests(args),
                               max_body_bytes=args.max_request_body_bytes,
                               api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                               chat_template=chat_template,
@@ -218,6 +220,11 @@ def remembered_interrupts():
         yield interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def logs_requests(args: argparse.Namespace) -> bool:
+    """--enable-log-requests, unless --disable-log-requests (upstream's older spelling) says otherwise."""
+    return args.enable_log_requests and not args.disable_log_requests
 
 
 def show_hidden_metrics_for(version: str | None) -> bool:

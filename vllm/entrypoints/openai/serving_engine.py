@@ -27,7 +27,7 @@ _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"prompt_token_i
 class ServerSettings:
     served_model_names: list[str]
     max_log_len: int | None = None
-    log_requests: bool = True
+    log_requests: bool = False  # --enable-log-requests
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
     chat_template: str | None = None  # --chat-template (its text); None: the tokenizer's own
