@@ -24,8 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve
 from bench_common import metadata, write_json
 from bench_offline_throughput import add_checkpoint_args, build_checkpoint
-from fuzz_server import start_server
+from fuzz_server import start_server, stop_server
 
 
 def plot(levels: list[dict], meta: dict, title: str, png: Path) -> None:
@@ -172,11 +170,7 @@ def main() -> None:
                         plain["summary"]["output_token_throughput"] / offline[c]
             results.append(level)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         shutil.rmtree(tmp, ignore_errors=True)
     data = {**meta, "benchmark": "serve_sweep", "config": {**vars(args), "model_config": cfg},
             "serve_flags": serve_flags, "server_startup_s": startup_s, "levels": results}

@@ -242,6 +242,15 @@ def start_server(extra: list[str], api_key: str | None = KEY, timeout: float = 3
     raise RuntimeError(f"vllm serve did not become healthy within {timeout} s")
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base-url", default=None, help="a running loopback server (default: start one)")

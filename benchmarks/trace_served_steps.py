@@ -21,8 +21,6 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve
 from bench_common import metadata, write_json
 from bench_offline_throughput import add_checkpoint_args, build_checkpoint
-from fuzz_server import start_server
+from fuzz_server import start_server, stop_server
 from trace_served_ttft import read_events
 
 
@@ -133,11 +131,7 @@ def main() -> None:
         res = bench_serve.main(common + ["--num-prompts", str(args.waves * c), "--out", str(work / "load.json")])
         t1 = time.monotonic()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     events = read_events(trace)
     shutil.rmtree(work, ignore_errors=True)
     steps, arrivals = core_steps(events, t0, t1)
