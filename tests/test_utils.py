@@ -29,3 +29,14 @@ def test_d2h_returns_the_values_once_the_stream_has_run(device):
         assert host.is_pinned()
         torch.cuda.current_stream().synchronize()
     assert host.device.type == "cpu" and torch.equal(host, (x * 2).cpu())
+
+
+@pytest.mark.gpu
+def test_h2d_pinned_buffers_are_not_reused_before_their_copies_run():
+    """Host buffers come back to torch's pinned cache once freed; a copy still queued behind GPU work must keep its
+    buffer until it has run, or a later call's data would land in an earlier tensor."""
+    torch.cuda._sleep(50_000_000)  # keeps the stream busy while the copies are queued behind it
+    tensors = [async_tensor_h2d(np.full(257, i, dtype=np.int64), torch.int64, "cuda") for i in range(64)]
+    torch.cuda.current_stream().synchronize()
+    for i, t in enumerate(tensors):
+        assert torch.equal(t.cpu(), torch.full((257,), i, dtype=torch.int64))

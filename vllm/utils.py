@@ -13,12 +13,16 @@ def async_tensor_h2d(data, dtype: torch.dtype, device: torch.device | str) -> to
     """`data` (a list or numpy array) as a tensor on `device` without waiting for the device. A plain
     torch.tensor(data, device=cuda) copies from pageable memory, which blocks the host until the GPU has run
     everything queued before the copy; from pinned memory the copy is queued like a kernel. The pinned buffer
-    comes from torch's caching host allocator, which keeps it until the copy has run."""
+    comes from torch's caching host allocator, which keeps it until the copy has run. It is allocated pinned and
+    filled, not made by `pin_memory()`: that asks the driver whether the source is pinned first (about 0.1 ms a
+    call on an H100 host, several calls per prompt step)."""
     device = torch.device(device)
     host = torch.as_tensor(data, dtype=dtype)  # may share a numpy array's memory: both branches copy
     if device.type != "cuda":
         return host.to(device, copy=True)
-    return host.pin_memory().to(device, non_blocking=True)
+    pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
 
 
 def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:
