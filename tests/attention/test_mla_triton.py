@@ -243,7 +243,7 @@ def test_prompt_chunks_of_a_step_in_one_varlen_call_cuda(dtype):
     ctx, qlens = [0, 900, 0, 2000, 37, 0, 1500], [256, 1, 17, 64, 100, 300, 1]
     common = _make_common(ctx, qlens, d["bs"], num_blocks, "cuda", gen)
     meta = TritonMLABackend.builder(d["bs"]).build(common)
-    assert [r.req for r in meta.prefill_rows] == [0, 2, 3, 4, 5]
+    assert [r.req for r in meta.prefill_rows] == [0, 2, 3, 4, 5] and meta.varlen.max_q == 300
     n = sum(qlens)
     inputs = _inputs(n + 1, d["H"], d["nope"], d["rope"], d["v"], d["L"], num_blocks, d["bs"], dtype, "cuda", gen)
     assert _varlen_flash_fits(inputs[0], d["v"])

@@ -78,3 +78,29 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, 
     assert _vllm_sync_sites(decode) == []
     assert engine.spec_decode_stats.num_draft_tokens > 0
     assert any(trims) or not adaptive
+
+
+@pytest.mark.gpu
+def test_mixed_steps_do_not_wait_for_the_device(model_dir):
+    """A prompt that arrives while others decode runs in a mixed step, whose KDA groups and MLA chunks are
+    gathered on the host: their indices go up in queued copies (a plain .to(device) waited for the step before:
+    8 syncs per mixed step), so the host still runs ahead of the device."""
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=256,
+              max_num_seqs=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 14, 40, 33)]
+    llm.generate(prompts, params, use_tqdm=False)  # first-use allocations outside the count
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(f"d{i}", p, params)
+    engine.step()
+    engine.step()  # both decode now
+
+    def mixed():
+        for i, p in enumerate(prompts[2:]):  # two prompt chunks of over 16 tokens beside two decode rows
+            engine.add_request(f"p{i}", p, params)
+        engine.step()
+
+    assert _vllm_sync_sites(mixed) == []
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -52,6 +52,18 @@ class PrefillRow:
     seq_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class VarlenPlan:
+    """Where a step's unabsorbed chunks read and write, the same for every MLA layer (built once per step):
+    the chunks' token positions in the step, their contexts' cache slots, and the offsets of both."""
+    q_index: torch.Tensor  # device int64 [sum of chunk lengths]
+    slots: torch.Tensor  # device int64 [sum of seq_lens]: the rows' latent cache slots, position by position
+    cu_q: torch.Tensor  # device int32 [rows + 1]
+    cu_k: torch.Tensor  # device int32 [rows + 1]
+    max_q: int
+    max_k: int
+
+
 @dataclass(slots=True)
 class TritonMLAMetadata:
     query_start_loc: torch.Tensor  # device int32 [B+1]
@@ -65,6 +77,7 @@ class TritonMLAMetadata:
     block_size: int
     prefill_rows: tuple[PrefillRow, ...] = ()
     skip_reqs: torch.Tensor | None = None  # device int8 [B]: 1 for the requests of prefill_rows
+    varlen: VarlenPlan | None = None  # with two or more prefill rows
 
 
 class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
@@ -89,20 +102,39 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
 
     def _build(self, common: CommonAttentionMetadata, prefill: tuple[PrefillRow, ...]) -> TritonMLAMetadata:
         n = common.num_reqs
-        max_query_len, skip = common.max_query_len, None
+        max_query_len, skip, varlen = common.max_query_len, None, None
         if prefill:
             # Device row lengths never exceed the host ones (device trims only shorten drafts), so the host
             # lengths of the other rows bound the absorbed grid.
             planned = {row.req for row in prefill}
             lens = common.query_lens_cpu[:n].tolist()
             max_query_len = max((q for r, q in enumerate(lens) if r not in planned), default=0)
-            skip = async_tensor_h2d([r in planned for r in range(n)], torch.int8, common.query_start_loc.device)
+            skip, varlen = self._upload_prefill(common, prefill, np.array([r in planned for r in range(n)]))
         return TritonMLAMetadata(
             query_start_loc=common.query_start_loc[:n + 1], seq_lens=common.seq_lens[:n],
             block_table=common.block_table[:n], slot_mapping=common.slot_mapping[:common.num_actual_tokens],
             num_reqs=n, max_query_len=max_query_len, max_seq_len=common.max_seq_len,
             num_splits=1 if prefill else self.num_splits, block_size=self.block_size,
-            prefill_rows=prefill, skip_reqs=skip)
+            prefill_rows=prefill, skip_reqs=skip, varlen=varlen)
+
+    def _upload_prefill(self, common: CommonAttentionMetadata, prefill: tuple[PrefillRow, ...],
+                        skip: np.ndarray) -> tuple[torch.Tensor, VarlenPlan | None]:
+        """The skip flags and, for two or more chunks, their varlen plan, in one queued upload (host-built: the
+        chunks' bounds are host ints)."""
+        device = common.query_start_loc.device
+        if len(prefill) < 2:
+            return async_tensor_h2d(skip, torch.int8, device), None
+        q_lens = [r.q_end - r.q_start for r in prefill]
+        seq_lens = [r.seq_len for r in prefill]
+        q_index = np.concatenate([np.arange(r.q_start, r.q_end) for r in prefill])
+        req = np.repeat([r.req for r in prefill], seq_lens)
+        pos = np.concatenate([np.arange(k) for k in seq_lens])
+        cu = np.concatenate([np.cumsum([0] + q_lens), np.cumsum([0] + seq_lens)])
+        host = async_tensor_h2d(np.concatenate([skip, q_index, req, pos, cu]), torch.int64, device)
+        skip_d, q_index, req, pos, cu = host.split([len(skip), len(q_index), len(pos), len(pos), len(cu)])
+        cu_q, cu_k = cu.int().split(len(prefill) + 1)
+        slots = common.block_table[req, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        return skip_d.to(torch.int8), VarlenPlan(q_index, slots, cu_q, cu_k, max(q_lens), max(seq_lens))
 
     def _prefill_rows(self, common: CommonAttentionMetadata) -> tuple[PrefillRow, ...]:
         if common.max_query_len <= self.prefill_min_query_len:  # decode steps: no tensor work on the host
@@ -162,9 +194,8 @@ class TritonMLABackend(AttentionBackend):
                                               meta.seq_lens, meta.block_table, meta.num_reqs, meta.max_query_len,
                                               meta.max_seq_len, scale, meta.num_splits, meta.skip_reqs)
             torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
-        if len(meta.prefill_rows) > 1 and _varlen_flash_fits(q, v_head_dim):
-            unabsorbed_varlen(q, kv_cache, meta.block_table, meta.prefill_rows, kv_b_weight, qk_nope_head_dim,
-                              v_head_dim, scale, out)
+        if meta.varlen is not None and _varlen_flash_fits(q, v_head_dim):
+            unabsorbed_varlen(q, kv_cache, meta.varlen, kv_b_weight, qk_nope_head_dim, v_head_dim, scale, out)
         else:
             for row in meta.prefill_rows:
                 out[row.q_start:row.q_end] = unabsorbed_attention(
@@ -181,34 +212,21 @@ def _varlen_flash_fits(q: torch.Tensor, v_head_dim: int) -> bool:
             and v_head_dim <= d and hasattr(torch.ops.aten, "_flash_attention_forward"))
 
 
-def unabsorbed_varlen(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      rows: tuple[PrefillRow, ...], kv_b_weight: torch.Tensor, qk_nope_head_dim: int,
-                      v_head_dim: int, scale: float, out: torch.Tensor) -> None:
+def unabsorbed_varlen(q: torch.Tensor, kv_cache: torch.Tensor, plan: VarlenPlan, kv_b_weight: torch.Tensor,
+                      qk_nope_head_dim: int, v_head_dim: int, scale: float, out: torch.Tensor) -> None:
     """Every unabsorbed prompt chunk of the step at once (as unabsorbed_attention does one): the rows' latent
     contexts gathered and decompressed in one GEMM, one varlen flash attention over them, causal aligned to
     the lower right per row. A loop over rows launched ~20 kernels per chunk and layer: a wave of 32 prompts
     spent more host time there than the GPU needed for the whole step. Writes the rows' outputs into `out`."""
     H, d = q.shape[1], q.shape[2]
-    block_size, L = kv_cache.shape[1], kv_b_weight.shape[1]
-    q_lens = [r.q_end - r.q_start for r in rows]
-    seq_lens = [r.seq_len for r in rows]
-    # Host-built indices (the rows' bounds are host ints), one copy to the device.
-    q_index = np.concatenate([np.arange(r.q_start, r.q_end) for r in rows])
-    req = np.repeat([r.req for r in rows], seq_lens)
-    pos = np.concatenate([np.arange(n) for n in seq_lens])
-    cu = np.concatenate([np.cumsum([0] + q_lens), np.cumsum([0] + seq_lens)])
-    host = async_tensor_h2d(np.concatenate([q_index, req, pos, cu]), torch.int64, q.device)
-    nq, nk = len(q_index), len(pos)
-    q_index, req, pos = host[:nq], host[nq:nq + nk], host[nq + nk:nq + 2 * nk]
-    cu_q, cu_k = host[nq + 2 * nk:].int().split(len(rows) + 1)
-    slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
-    lat = kv_cache.view(-1, kv_cache.shape[-1])[slots]
+    L, nk = kv_b_weight.shape[1], len(plan.slots)
+    lat = kv_cache.view(-1, kv_cache.shape[-1])[plan.slots]
     kv = (lat[:, :L].to(q.dtype) @ kv_b_weight.to(q.dtype).t()).view(nk, H, qk_nope_head_dim + v_head_dim)
     k = torch.cat([kv[..., :qk_nope_head_dim], lat[:, None, L:].to(q.dtype).expand(nk, H, -1)], dim=-1)
     v = torch.nn.functional.pad(kv[..., qk_nope_head_dim:], (0, d - v_head_dim))
-    o = torch.ops.aten._flash_attention_forward(q[q_index], k, v, cu_q, cu_k, max(q_lens), max(seq_lens), 0.0,
-                                                True, False, scale=scale)[0]
-    out[q_index] = o[..., :v_head_dim]
+    o = torch.ops.aten._flash_attention_forward(q[plan.q_index], k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                                0.0, True, False, scale=scale)[0]
+    out[plan.q_index] = o[..., :v_head_dim]
 
 
 def unabsorbed_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_row: torch.Tensor, seq_len: int,
