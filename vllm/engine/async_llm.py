@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core import EngineStats, Rejected
-from vllm.engine.core_client import InprocClient, MPClient
+from vllm.engine.core_client import MPClient
+from vllm.engine.inproc_client import InprocClient
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.inputs.validation import text_problem
