@@ -84,23 +84,34 @@ def test_verify_steps_do_not_wait_for_the_device(model_dir, tmp_path, adaptive, 
 def test_mixed_steps_do_not_wait_for_the_device(model_dir):
     """A prompt that arrives while others decode runs in a mixed step, whose KDA groups and MLA chunks are
     gathered on the host: their indices go up in queued copies (a plain .to(device) waited for the step before:
-    8 syncs per mixed step), so the host still runs ahead of the device."""
-    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=256,
+    8 syncs per mixed step), so the host still runs ahead of the device. A prompt chunk past the recurrent
+    kernel's length takes fla's chunk_kda, whose chunk bookkeeping copies once per step (fla's own blocking
+    copy) and is reused by every later KDA layer (4 here), not redone per layer."""
+    llm = LLM(model=model_dir, tokenizer=str(TINY_TOKENIZER_DIR), dtype="float32", max_model_len=512,
               max_num_seqs=8)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 14, 40, 33)]
-    llm.generate(prompts, params, use_tqdm=False)  # first-use allocations outside the count
+
+    def batch(offset):  # no two prompts share a first token: no prefix cache hit shortens the checked chunks
+        return [{"prompt_token_ids": [5 + (offset + 11 * r + i) % 200 for i in range(n)]}
+                for r, n in enumerate((9, 14, 40, 33, 300))]
+    llm.generate(batch(7), params, use_tqdm=False)  # first-use allocations outside the count
+    prompts = batch(0)
     for i, p in enumerate(prompts[:2]):
         engine.add_request(f"d{i}", p, params)
     engine.step()
     engine.step()  # both decode now
 
-    def mixed():
-        for i, p in enumerate(prompts[2:]):  # two prompt chunks of over 16 tokens beside two decode rows
-            engine.add_request(f"p{i}", p, params)
-        engine.step()
+    def mixed(new):
+        def run():
+            for i, p in enumerate(new):
+                engine.add_request(f"p{len(p['prompt_token_ids'])}-{i}", p, params)
+            engine.step()
+        return run
 
-    assert _vllm_sync_sites(mixed) == []
+    # two prompt chunks of over 16 tokens (MLA's varlen path) beside two decode rows
+    assert _vllm_sync_sites(mixed(prompts[2:4])) == []
+    long_chunk = _vllm_sync_sites(mixed(prompts[4:]))
+    assert len(long_chunk) <= 1 and all("triton_fla.py" in site for site in long_chunk), long_chunk
     while engine.has_unfinished_requests():
         engine.step()

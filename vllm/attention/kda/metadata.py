@@ -56,10 +56,19 @@ class KDARows:
     num_accepted_tokens: torch.Tensor | None = None  # device int32 [N], with 2-D state_indices
     # RecoverSSM: decode rows read their slot's state, write per-token records instead of it (recover.py)
     record: bool = False
+    _offsets_int64: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def checkpointed(self) -> bool:
         return self.state_indices.dim() == 2
+
+    def offsets_int64(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_start_loc as int64 (device, host), made once per step and shared by every layer: fla caches its
+        chunk bookkeeping by the offsets' identity, and a fresh .long() per layer redid it (with a blocking
+        host-to-device copy) in every KDA layer."""
+        if self._offsets_int64 is None:
+            self._offsets_int64 = (self.query_start_loc.long(), self.query_start_loc_cpu.long())
+        return self._offsets_int64
 
 
 @dataclass(slots=True)

@@ -85,9 +85,10 @@ class TritonFLAKDABackend(KDABackend):
                          lower_bound=layer.gate_lower_bound, state_v_first=True, scale=K ** -0.5)
         g, beta = raw_gate[:T].view(1, T, H, K), _fla_beta(raw_beta, T)
         if chunked:
+            cu_seqlens, cu_seqlens_cpu = rows.offsets_int64()
             o, final = chunk_kda(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                 safe_gate=layer.gate_lower_bound is not None, cu_seqlens=rows.query_start_loc.long(),
-                                 cu_seqlens_cpu=rows.query_start_loc_cpu.long(), **gate_args)
+                                 safe_gate=layer.gate_lower_bound is not None, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, **gate_args)
         else:
             o, final = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=init, output_final_state=True,
                                                inplace_final_state=False, cu_seqlens=rows.query_start_loc,
