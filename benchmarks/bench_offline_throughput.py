@@ -40,7 +40,7 @@ import matplotlib.pyplot as plt
 from bench_common import REPO, metadata, set_threads, stats, sync, write_json
 
 from vllm import LLM, SamplingParams
-from vllm.assets import DEFAULT_MODEL_DIR
+from vllm.assets import DEFAULT_MODEL_DIR, TINY_TOKENIZER_DIR
 
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
@@ -86,9 +86,11 @@ def build_checkpoint(args, out_dir: Path):
     saved = json.loads((out_dir / "config.json").read_text())
     saved["mla_latent_norm_eps"] = 1e-6  # transformers hard-codes 1e-6 in q_a/kv_a_layernorm (tests/hf_oracle.py)
     (out_dir / "config.json").write_text(json.dumps(saved, indent=1))
+    # The tiny config's 512-token vocabulary takes the tiny tokenizer: the built-in one's ids would not fit.
+    tokenizer_dir = TINY_TOKENIZER_DIR if args.config == "tiny" else DEFAULT_MODEL_DIR
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (DEFAULT_MODEL_DIR / f).is_file():
-            shutil.copy(DEFAULT_MODEL_DIR / f, out_dir / f)
+        if (tokenizer_dir / f).is_file():
+            shutil.copy(tokenizer_dir / f, out_dir / f)
     return model, cfg
 
 

@@ -139,9 +139,6 @@ def main() -> None:
             offline[row["batch_size"]] = row["ours"]["tokens_per_s"]
     serve_flags = ["--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed), "--max-model-len",
                    str(P + O + 8), "--max-num-seqs", str(max(levels)), *shlex.split(args.serve_args)]
-    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
-        from vllm.assets import TINY_TOKENIZER_DIR
-        serve_flags += ["--tokenizer", str(TINY_TOKENIZER_DIR)]
     t0 = time.monotonic()
     proc, url = start_server([str(tmp), *serve_flags], api_key=None, timeout=args.startup_timeout)
     startup_s = time.monotonic() - t0

@@ -149,11 +149,6 @@ def main() -> None:
     engine_args = argparse.Namespace(dtype=args.dtype, device=args.device, seed=0, prompt_len=16,
                                      output_len=8 * args.steps + 20, num_spec=0,
                                      gpu_memory_utilization=args.gpu_memory_utilization)
-    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
-        from vllm.assets import TINY_TOKENIZER_DIR
-        tokenizer = {"tokenizer": str(TINY_TOKENIZER_DIR)}
-    else:
-        tokenizer = {}
     if args.prefill:
         shapes = []  # (prompts, tokens each, decode rows) from NxL or NxL+D
         for shape in args.prefill.split(","):
@@ -164,7 +159,7 @@ def main() -> None:
         # The served engine's defaults (compilation mode included), with a step large enough for every shape.
         llm = make_llm(engine_args, path, True, None, max(n + d for n, _, d in shapes), compilation_config=None,
                        enable_prefix_caching=not args.no_prefix_caching,
-                       max_num_batched_tokens=max(8192, *(n * length + d for n, length, d in shapes)), **tokenizer)
+                       max_num_batched_tokens=max(8192, *(n * length + d for n, length, d in shapes)))
         results = [profile_prefill(llm, n, length, d, args.rows, args.device) for n, length, d in shapes]
         for r in results:
             kernels = "" if r["kernel_ms"] is None else f", {r['kernel_ms']:.2f} ms of kernels"
@@ -174,7 +169,7 @@ def main() -> None:
     for graphs, overlap in (modes[m] for m in args.modes.split(",")):
         print(f"##### {'FULL_DECODE_ONLY graphs' if graphs else 'eager'}, "
               f"{'async scheduling' if overlap else 'synchronous'}")
-        llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap, **tokenizer)
+        llm = make_llm(engine_args, path, graphs, None, max(batches), async_scheduling=overlap)
         for b in batches:
             profile_steps(llm, b, args.steps, args.rows, args.device)
         del llm

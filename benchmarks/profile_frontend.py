@@ -81,9 +81,6 @@ def main() -> None:
     del hf
     flags = [str(tmp), "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
              "--max-model-len", str(args.input_len + args.output_len + 8)]
-    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
-        from vllm.assets import TINY_TOKENIZER_DIR
-        flags += ["--tokenizer", str(TINY_TOKENIZER_DIR)]
     proc, url = start_server(flags, api_key=None)
     load = ["--base-url", url, "--max-concurrency", str(args.concurrency), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--vocab-size", str(cfg["vocab_size"]), "--seed", "0",

@@ -119,9 +119,6 @@ def main() -> None:
     c, P, O = args.concurrency, args.input_len, args.output_len  # noqa: E741 - prompt and output lengths
     flags = [str(work / "model"), "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed),
              "--max-model-len", str(P + O + 8), "--max-num-seqs", str(c), *shlex.split(args.serve_args)]
-    if args.config == "tiny":  # its 512-token vocabulary: the built-in tokenizer's ids would not fit
-        from vllm.assets import TINY_TOKENIZER_DIR
-        flags += ["--tokenizer", str(TINY_TOKENIZER_DIR)]
     proc, url = start_server(flags, api_key=None)
     common = ["--base-url", url, "--max-concurrency", str(c), "--input-len", str(P), "--output-len", str(O),
               "--vocab-size", str(cfg["vocab_size"]), "--seed", str(args.seed), "--every-token"]
