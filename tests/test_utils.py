@@ -40,3 +40,41 @@ def test_h2d_pinned_buffers_are_not_reused_before_their_copies_run():
     torch.cuda.current_stream().synchronize()
     for i, t in enumerate(tensors):
         assert torch.equal(t.cpu(), torch.full((257,), i, dtype=torch.int64))
+
+
+def test_add_reader_blocking_reads_whole_messages_under_uvloop():
+    """uvloop makes a watched fd non-blocking; a message longer than the pipe's buffer then came back half read
+    (BlockingIOError), which the server took for a dead engine core."""
+    import asyncio
+    import multiprocessing
+    import threading
+
+    uvloop = pytest.importorskip("uvloop")
+    from vllm.utils import add_reader_blocking
+    sizes = [3_000_000 + i for i in range(12)]
+
+    async def read_all():
+        r, w = multiprocessing.Pipe(duplex=False)
+        loop, got = asyncio.get_running_loop(), []
+        done = loop.create_future()
+
+        def on_readable():
+            try:
+                while r.poll() and not done.done():
+                    got.append(len(r.recv_bytes()))
+                    if len(got) == len(sizes):
+                        done.set_result(None)
+            except OSError as e:
+                done.set_exception(e)
+        add_reader_blocking(loop, r.fileno(), on_readable)
+        writer = threading.Thread(target=lambda: [w.send_bytes(b"x" * n) for n in sizes], daemon=True)
+        writer.start()
+        try:
+            await asyncio.wait_for(done, 60)
+        finally:
+            loop.remove_reader(r.fileno())
+            r.close()
+        writer.join(5)
+        return got
+
+    assert uvloop.run(read_all()) == sizes

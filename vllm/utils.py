@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 
 import torch
 
@@ -31,6 +32,15 @@ def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
         return t
     return t.to("cpu", non_blocking=True)
+
+
+def add_reader_blocking(loop, fd: int, callback) -> None:
+    """loop.add_reader(fd, callback), with `fd` left blocking. uvloop (libuv) makes a watched fd non-blocking, and
+    a multiprocessing Connection's recv() of a message longer than the pipe's buffer then stops half-read with
+    BlockingIOError (a 1 MB output of whole-vocabulary logprobs read as a dead engine core). Readiness still
+    comes from the loop; only the read may wait for the rest of a message already being written."""
+    loop.add_reader(fd, callback)
+    os.set_blocking(fd, True)
 
 
 def freeze_gc_heap() -> None:

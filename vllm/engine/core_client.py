@@ -27,6 +27,7 @@ from vllm.engine.llm_engine import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.utils import add_reader_blocking
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class MPClient:
         if self._loop is None:
             self._sink, self._loop = sink, asyncio.get_running_loop()
             self._stopped = self._loop.create_future()
-            self._loop.add_reader(self._from_core.fileno(), self._on_readable)
+            add_reader_blocking(self._loop, self._from_core.fileno(), self._on_readable)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         if self.dead:

@@ -22,6 +22,7 @@ from typing import Any
 
 from vllm.entrypoints.openai.chat_render_worker import RenderJob, RenderLimits, serve
 from vllm.entrypoints.openai.protocol import APIError
+from vllm.utils import add_reader_blocking
 
 logger = logging.getLogger("vllm.entrypoints.openai")
 
@@ -120,7 +121,7 @@ async def _readable(conn) -> None:
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
     fd = conn.fileno()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    add_reader_blocking(loop, fd, lambda: ready.done() or ready.set_result(None))
     try:
         await ready
     finally:
