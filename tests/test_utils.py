@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.utils import async_tensor_d2h, async_tensor_h2d
+from vllm.utils import async_tensor_d2h, async_tensor_h2d, async_tensors_h2d
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -19,6 +19,17 @@ def test_h2d_copies_lists_and_numpy_arrays(device):
     assert t.cpu()[0, 0] != -1 and torch.equal(t.cpu()[1:], torch.from_numpy(data[1:]))
     floats = async_tensor_h2d([[0.5, 1.0], [2.0, 3.5]], torch.float32, device)
     assert torch.equal(floats.cpu(), torch.tensor([[0.5, 1.0], [2.0, 3.5]]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_h2d_of_several_arrays_keeps_each_shape_and_value(device):
+    slots = np.array([[3, 4, 5], [6, 7, 8]], dtype=np.int32)
+    flags = np.array([True, False])
+    qsl, s, f, empty = async_tensors_h2d([[0, 2, 9], slots, flags, np.zeros(0)], device)
+    slots[0, 0] = -1  # copies, not views of the caller's arrays
+    assert all(t.device.type == device and t.dtype == torch.int64 for t in (qsl, s, f, empty))
+    assert qsl.tolist() == [0, 2, 9] and s.tolist() == [[3, 4, 5], [6, 7, 8]] and f.tolist() == [1, 0]
+    assert empty.shape == (0,)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,6 +5,7 @@ import functools
 import gc
 import os
 
+import numpy as np
 import torch
 
 _DEFAULT_NUM_SMS = 132  # H100/H200, for tiles and grids sized where no GPU is visible (the interpreter)
@@ -24,6 +25,14 @@ def async_tensor_h2d(data, dtype: torch.dtype, device: torch.device | str) -> to
     pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned.to(device, non_blocking=True)
+
+
+def async_tensors_h2d(arrays: list, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Host integer arrays (numpy or lists, any shapes) as int64 device tensors of the same shapes, in one queued
+    upload (async_tensor_h2d) split into views: each separate upload costs a pinned buffer and a copy."""
+    flat = [np.asarray(a).reshape(-1) for a in arrays]
+    packed = async_tensor_h2d(np.concatenate(flat).astype(np.int64), torch.int64, device)
+    return tuple(t.view(np.shape(a)) for t, a in zip(packed.split([len(f) for f in flat]), arrays, strict=True))
 
 
 def async_tensor_d2h(t: torch.Tensor) -> torch.Tensor:

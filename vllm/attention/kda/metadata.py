@@ -17,7 +17,7 @@ import torch
 from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                     CommonAttentionMetadata, QueryLenSupport)
 from vllm.attention.kda.recover import KDARecords
-from vllm.utils import async_tensor_h2d
+from vllm.utils import async_tensors_h2d
 
 
 class KDAWeights(Protocol):
@@ -194,15 +194,13 @@ def _gather_rows(common: CommonAttentionMetadata, qsl: np.ndarray, mask: np.ndar
     all_slots, all_slots_cpu, accepted = _slots(common, decode)
     slots_cpu = all_slots_cpu[rows_t]
     has_init_cpu = common.num_computed_tokens_cpu[rows_t] > 0
-    n = len(rows)
-    packed = async_tensor_h2d(np.concatenate([group_qsl, slots_cpu.numpy().reshape(-1), has_init_cpu.numpy(), rows,
-                                              token_idx]).astype(np.int64), torch.int64, common.state_indices.device)
-    qsl_d, slots_d, has_init_d, rows_d, token_idx_d = packed.split([n + 1, slots_cpu.numel(), n, n, len(token_idx)])
+    qsl_d, slots_d, has_init_d, rows_d, token_idx_d = async_tensors_h2d(
+        [group_qsl, slots_cpu.numpy(), has_init_cpu.numpy(), rows, token_idx], common.state_indices.device)
     return KDARows(
         query_start_loc=qsl_d.int(), query_start_loc_cpu=torch.from_numpy(group_qsl),
-        state_indices=slots_d.to(slots_cpu.dtype).view(slots_cpu.shape), state_indices_cpu=slots_cpu,
+        state_indices=slots_d.to(slots_cpu.dtype), state_indices_cpu=slots_cpu,
         has_initial_state=has_init_d.bool(), has_initial_state_cpu=has_init_cpu,
-        num_reqs=n, num_tokens=int(group_qsl[-1]), max_query_len=int(lens.max(initial=0)),
+        num_reqs=len(rows), num_tokens=int(group_qsl[-1]), max_query_len=int(lens.max(initial=0)),
         token_idx=token_idx_d, num_accepted_tokens=None if accepted is None else accepted[rows_d])
 
 

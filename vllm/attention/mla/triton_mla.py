@@ -27,7 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from vllm.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionMetadataBuilder,
                                     CommonAttentionMetadata, LayerShapes, QueryLenSupport)
-from vllm.utils import async_tensor_h2d
+from vllm.utils import async_tensor_h2d, async_tensors_h2d
 
 try:
     from vllm.attention.mla import triton_mla_kernels as _kernels
@@ -130,8 +130,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder):
         req = np.repeat([r.req for r in prefill], seq_lens)
         pos = np.concatenate([np.arange(k) for k in seq_lens])
         cu = np.concatenate([np.cumsum([0] + q_lens), np.cumsum([0] + seq_lens)])
-        host = async_tensor_h2d(np.concatenate([skip, q_index, req, pos, cu]), torch.int64, device)
-        skip_d, q_index, req, pos, cu = host.split([len(skip), len(q_index), len(pos), len(pos), len(cu)])
+        skip_d, q_index, req, pos, cu = async_tensors_h2d([skip, q_index, req, pos, cu], device)
         cu_q, cu_k = cu.int().split(len(prefill) + 1)
         slots = common.block_table[req, pos // self.block_size].long() * self.block_size + pos % self.block_size
         return skip_d.to(torch.int8), VarlenPlan(q_index, slots, cu_q, cu_k, max(q_lens), max(seq_lens))
