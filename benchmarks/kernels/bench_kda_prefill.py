@@ -5,7 +5,8 @@ Each backend runs its whole prefill (conv, chunked KDA with the initial state ga
 final state scattered back, gated RMSNorm). The peers are fla-core's `chunk_kda` alone (in-kernel gate, l2norm,
 beta sigmoid, fp32 initial state, final state out) and, where it is importable, FlashKDA's `flash_kda.fwd` alone
 on the same inputs, measured in the same run. Eager calls timed with CUDA events, medians of many: back to
-back, so where a call's host time exceeds its GPU time the figure is the host time.
+back (`ms`: where a call's host time exceeds its GPU time the figure is the host time), and queued behind a
+sleep kernel (`gpu_ms`: the kernels alone, as in a step whose host work overlaps the GPU's).
 
 The `triton` backend runs short chunks through fla's recurrent kernel and long ones through chunk_kda; rows
 `triton_recurrent` and `triton_chunked` force each path at every length, which is how its
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import metadata, write_json  # noqa: E402
 from bench_kda_decode import K, W, make_layer  # noqa: E402
-from timing import time_graph  # noqa: E402
+from timing import time_gpu_only, time_graph  # noqa: E402
 
 from vllm.attention.backend import LayerShapes  # noqa: E402
 from vllm.attention.kda.metadata import KDARows  # noqa: E402
@@ -129,10 +130,13 @@ def main() -> None:
                 runs[name] = functools.partial(backend.forward_prefill, layer, *inputs, conv, ssm, rows)
             for name, fn in runs.items():
                 t = time_graph(fn, reps=20, calls_per_rep=5, graph=False)
+                g = time_gpu_only(fn)
                 results.append({"backend": name, "heads": H, "prompts": N, "tokens": T,
-                                "ms": {k: v / 1e3 if k != "n" else v for k, v in t.items()}})
+                                "ms": {k: v / 1e3 if k != "n" else v for k, v in t.items()},
+                                "gpu_ms": {k: v / 1e3 if k != "n" else v for k, v in g.items()}})
                 write_json(args.out, report)
-                print(f"H={H:3} N={N:3} T={T:6} {name:20} {t['median'] / 1e3:8.3f} ms", flush=True)
+                print(f"H={H:3} N={N:3} T={T:6} {name:20} {t['median'] / 1e3:8.3f} ms, GPU alone "
+                      f"{g['median'] / 1e3:8.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
