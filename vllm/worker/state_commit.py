@@ -8,12 +8,11 @@ it, and the emitted counts scattered in.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vllm.attention.backend import CommonAttentionMetadata
 from vllm.attention.kda.recover import commit
-from vllm.utils import async_tensor_h2d
+from vllm.utils import async_tensors_h2d
 from vllm.worker.sample_step import StepTokens
 
 
@@ -33,11 +32,10 @@ class StateCommit:
             if self._ones is None or self._ones.shape[0] < n:
                 self._ones = torch.ones(max(n, 256), dtype=torch.int32, device=self.device)
             return self._ones[:n]
-        packed = async_tensor_h2d(np.concatenate([(~prefilling).astype(np.int64), verify]), torch.int64,
-                                  self.device)
-        counts = packed[:n].int()
+        keeps, verify_rows = async_tensors_h2d([~prefilling, verify], self.device)
+        counts = keeps.int()
         if verify:
-            counts[packed[n:]] = tokens.emitted().int()
+            counts[verify_rows] = tokens.emitted().int()
         return counts
 
     def __call__(self, common: CommonAttentionMetadata, tokens: StepTokens,
