@@ -29,47 +29,47 @@ def time_graph(fn: Callable[[], object], reps: int = 30, calls_per_rep: int = 20
                     fn()
         torch.cuda.current_stream().wait_stream(stream)
         run = g.replay
+    return stats(_event_reps(run if graph else _repeated(run, calls_per_rep), reps, calls_per_rep))
+
+
+def _repeated(fn: Callable[[], object], n: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(n):
+            fn()
+    return run
+
+
+def _event_reps(rep: Callable[[], object], reps: int, calls_per_rep: int,
+                before: Callable[[], object] | None = None) -> list[float]:
+    """Per-call microseconds of `reps` runs of `rep` (which makes `calls_per_rep` calls), timed with CUDA events;
+    `before` is queued ahead of each run, outside the events."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if graph:
-            run()
-        else:
-            for _ in range(calls_per_rep):
-                run()
+        rep()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
-    return stats(times)
+    return times
 
 
 def time_gpu_only(fn: Callable[[], object], reps: int = 20, calls_per_rep: int = 5) -> dict:
     """Per-call microseconds of fn's GPU work alone, eager: each rep's calls are queued behind a sleep kernel long
     enough to hide their host time (launches, Python), so the events time the kernels back to back. A call that
     waits for the GPU (a blocking copy) cannot be hidden: its wait shows up here as GPU time."""
+    rep = _repeated(fn, calls_per_rep)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
-    start.record()
-    for _ in range(calls_per_rep):
-        fn()
-    end.record()
-    end.synchronize()
+    rep()
+    torch.cuda.synchronize()
     # Cycles to sleep: twice the host time of a rep, at a conservative 1 GHz.
     cycles = int(2 * (time.perf_counter() - t0) * 1e9) + 1_000_000
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(cycles)
-        start.record()
-        for _ in range(calls_per_rep):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
-    return stats(times)
+    return stats(_event_reps(rep, reps, calls_per_rep, before=lambda: torch.cuda._sleep(cycles)))
 
 
 # Copy bandwidth of this H200 measured by the shared peer run (../shared/bench/README.md, 2026-11-29).

@@ -6,7 +6,7 @@ scattered back in the pool's dtype. Steps whose prompt chunks are all short take
 instead (same inputs, same math, token by token in one launch): chunk_kda is ~10 Triton launches through
 autotuners, ~1.5-3 ms of host time per layer against 0.1-0.3 ms of kernels for short chunks (2026-12-07f in
 docs/performance.md), which made a decode step that also carried one short prompt chunk cost 20-33 ms instead
-of 3 (1.3B config, H200); the recurrent kernel's time grows with the chunk length (~1.4 us a token), so long
+of 3 (1.3B config, H200); the recurrent kernel's time grows with the chunk length (~1.5 us a token), so long
 chunks keep chunk_kda. `recurrent_prefill_max_len` is where the two cross for a full
 batch (benchmarks/kernels/bench_kda_prefill.py --prompts 1,32, 16 heads: 32 prompts x 256 tokens 2.80 against
 2.82 ms, one prompt of 256 0.44 against 1.73 ms). Once the GPU is full the recurrent kernel costs ~0.34 us
